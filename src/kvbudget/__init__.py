@@ -1,0 +1,78 @@
+"""kvbudget: KV-cache budgets for LLM serving.
+
+Calibrated admission, grants that grow through bounded extensions from a shared headroom pool,
+protected interactive streams, preemptible batch work with its cost visible, release only on the
+engine's confirmation, and early "overloaded" for callers the queue cannot serve in time.
+"""
+
+from kvbudget.core.model import (
+    BATCH,
+    DEFAULT_CLASSES,
+    INTERACTIVE,
+    Capacity,
+    Checkpoint,
+    Continuation,
+    RequestSpec,
+    ServiceClass,
+)
+from kvbudget.core.policy import POLICY_NAMES, CalibratedPolicy, Policy, make_policy
+from kvbudget.core.scheduler import Scheduler, SchedulerConfig
+from kvbudget.core.stats import Snapshot
+from kvbudget.errors import (
+    AlreadyReleased,
+    BudgetClosed,
+    ContinuationRequired,
+    DuplicateRequest,
+    EngineDead,
+    EngineError,
+    EngineStalled,
+    GrantExceeded,
+    HardLimitExceeded,
+    InvalidInput,
+    InvalidTransition,
+    KvBudgetError,
+    Overloaded,
+    PolicyViolation,
+    Preempted,
+    UnknownClass,
+    UnknownPolicy,
+    UnknownRequest,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BATCH",
+    "DEFAULT_CLASSES",
+    "INTERACTIVE",
+    "POLICY_NAMES",
+    "AlreadyReleased",
+    "BudgetClosed",
+    "CalibratedPolicy",
+    "Capacity",
+    "Checkpoint",
+    "Continuation",
+    "ContinuationRequired",
+    "DuplicateRequest",
+    "EngineDead",
+    "EngineError",
+    "EngineStalled",
+    "GrantExceeded",
+    "HardLimitExceeded",
+    "InvalidInput",
+    "InvalidTransition",
+    "KvBudgetError",
+    "Overloaded",
+    "Policy",
+    "PolicyViolation",
+    "Preempted",
+    "RequestSpec",
+    "Scheduler",
+    "SchedulerConfig",
+    "ServiceClass",
+    "Snapshot",
+    "UnknownClass",
+    "UnknownPolicy",
+    "UnknownRequest",
+    "make_policy",
+]

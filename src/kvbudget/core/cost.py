@@ -1,0 +1,237 @@
+"""The decode-step cost model behind the latency floor (DESIGN §5, §10).
+
+This module owns :class:`StepTimeModel` (a linear step-time model: a fixed cost per decode step,
+a cost per running sequence, a cost per token of context held by the batch, and a prefill cost
+per prompt token), its default :data:`DEFAULT_STEP_TIME`, and :class:`CostModel`, which starts
+from such a prior and refits it online from the engine's observed steps by recursive least
+squares with exponential forgetting. Pure and deterministic: no clock, no I/O, no numpy.
+
+Where the defaults come from
+----------------------------
+InternLM's LMDeploy benchmark "Benchmark on A100 (FP16)"
+(https://github.com/InternLM/lmdeploy/blob/main/docs/en/benchmark/a100_fp16.md; lmdeploy
+v0.1.0a1, TurboMind engine, A100-80G, CUDA 11.8), static-inference table for **llama2-7b**,
+tp=1. Its per-token latency percentiles are decode-step times; we fitted
+``p50 = fixed + per_seq * batch + per_ctx * batch * (prompt + output / 2)`` by least squares to
+the 16 rows whose KV cache fits in the card (``batch * (prompt + output) * 0.5 MiB <= 60 GB``;
+the other four rows queued, as their first-token latencies of 4-116 s show). The rows range
+from batch 1 (prompt 1, output 128: 100.02 out tok/s, p50 9 ms) to batch 64 (prompt 128,
+output 2048: p50 30 ms). The fit gives
+
+* ``fixed_s`` = 9.57 ms (batch 1: 9-11 ms per token in every row),
+* ``per_seq_s`` = 15.0 µs per running sequence,
+* ``per_context_token_s`` = 0.306 µs per token of context (batch 32, prompt 2048, output 128:
+  p50 31 ms, fit 30.7 ms; batch 16, prompt 2048, output 2048: p50 25 ms, fit 24.9 ms).
+
+Prefill: the batch-1 first-token latency is 22 ms for a 128-token prompt and 139 ms for 2048
+tokens, so ``prefill_per_token_s`` = (0.139 - 0.022) / 1920 = 61 µs per prompt token
+(~16,400 prompt tokens/s); with the fixed step cost this reproduces 0.0096 + 2048 * 61e-6 =
+135 ms vs. 139 ms measured. These are TurboMind numbers, not vLLM's; :class:`CostModel`
+replaces them with the engine's own as steps are observed.
+
+A step that decodes ``batch_size`` sequences holding ``context_tokens`` tokens in total and
+also prefills ``p`` prompt tokens is modelled as ``decode_time(batch_size, context_tokens) +
+prefill_time(p)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import attrs
+
+from kvbudget.core.model import check_float, check_int
+from kvbudget.errors import InvalidInput
+
+__all__ = ["DEFAULT_STEP_TIME", "CostModel", "StepTimeModel"]
+
+
+def _to_float(value: Any) -> Any:
+    """Store numbers as floats; leave bools and non-numbers for the validator to refuse."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return value
+    return float(value)
+
+
+def _nonneg_seconds(field: str) -> Any:
+    def validate(_inst: object, _attr: object, value: Any) -> None:
+        check_float(field, value, minimum=0.0)
+
+    return validate
+
+
+@attrs.frozen(slots=True)
+class StepTimeModel:
+    """Linear engine step time, in seconds.
+
+    ``decode_time(b, c) = fixed_s + per_seq_s * b + per_context_token_s * c`` for a decode step
+    of ``b`` sequences holding ``c`` context tokens in total (0 when ``b`` is 0: no step runs);
+    ``prefill_time(t) = prefill_per_token_s * t``. All coefficients are finite and >= 0.
+    """
+
+    fixed_s: float = attrs.field(converter=_to_float, validator=_nonneg_seconds("fixed_s"))
+    per_seq_s: float = attrs.field(converter=_to_float, validator=_nonneg_seconds("per_seq_s"))
+    per_context_token_s: float = attrs.field(
+        converter=_to_float, validator=_nonneg_seconds("per_context_token_s")
+    )
+    prefill_per_token_s: float = attrs.field(
+        converter=_to_float, validator=_nonneg_seconds("prefill_per_token_s")
+    )
+
+    def decode_time(self, batch_size: int, context_tokens: int) -> float:
+        """Seconds for one decode step of ``batch_size`` sequences and ``context_tokens`` KV."""
+        check_int("batch_size", batch_size, minimum=0)
+        check_int("context_tokens", context_tokens, minimum=0)
+        if batch_size == 0:
+            return 0.0
+        return (
+            self.fixed_s + self.per_seq_s * batch_size + self.per_context_token_s * context_tokens
+        )
+
+    def prefill_time(self, tokens: int) -> float:
+        """Seconds a prefill of ``tokens`` prompt tokens adds to its step."""
+        check_int("tokens", tokens, minimum=0)
+        return self.prefill_per_token_s * tokens
+
+
+DEFAULT_STEP_TIME: Final = StepTimeModel(
+    fixed_s=9.57e-3,
+    per_seq_s=15.0e-6,
+    per_context_token_s=0.306e-6,
+    prefill_per_token_s=61.0e-6,
+)
+"""Llama-2-7B FP16 on one A100-80G (LMDeploy/TurboMind benchmark); see the module docstring."""
+
+
+# Internal units: features and targets are scaled by powers of two so conversions are exact.
+_Y: Final = 1024.0  # seconds -> ~milliseconds
+_B: Final = 64.0  # batch size scale
+_C: Final = 65536.0  # context token scale
+_T: Final = 1024.0  # prefill token scale
+_P0: Final = 100.0  # prior variance of each scaled coefficient (prior std ~10 ms)
+_TRACE_MAX: Final = 3.0 * _P0  # bound on trace(P): no covariance wind-up without excitation
+
+
+class CostModel:
+    """Online step-time model: a prior refitted by recursive least squares with forgetting.
+
+    With no observations every prediction equals ``prior``'s. Each :meth:`observe_decode`
+    updates (fixed, per_seq, per_context_token) by one RLS step with forgetting factor
+    ``forgetting`` (an observation ``k`` steps old weighs ``forgetting ** k``); each
+    :meth:`observe_prefill` updates ``prefill_per_token_s`` the same way. Coefficients are
+    projected onto >= 0 after each update, and the covariance trace is bounded so that
+    unexcited directions (e.g. every step at the same batch size) cannot wind up: the fit then
+    stays exact for what was observed and near the prior elsewhere. O(1) per call.
+    """
+
+    __slots__ = (
+        "_current",
+        "_forgetting",
+        "_p",
+        "_pp",
+        "_prefills",
+        "_prior",
+        "_steps",
+        "_theta",
+        "_theta_p",
+    )
+
+    def __init__(self, prior: StepTimeModel = DEFAULT_STEP_TIME, *, forgetting: float = 0.99):
+        if not isinstance(prior, StepTimeModel):
+            raise InvalidInput("prior", prior, "a StepTimeModel")
+        self._forgetting = check_float(
+            "forgetting", forgetting, minimum=0.0, maximum=1.0, open_min=True
+        )
+        self._prior = prior
+        self._theta = [
+            prior.fixed_s * _Y,
+            prior.per_seq_s * _Y * _B,
+            prior.per_context_token_s * _Y * _C,
+        ]
+        self._p = [[_P0, 0.0, 0.0], [0.0, _P0, 0.0], [0.0, 0.0, _P0]]
+        self._theta_p = prior.prefill_per_token_s * _Y * _T
+        self._pp = _P0
+        self._steps = 0
+        self._prefills = 0
+        self._current: StepTimeModel | None = prior
+
+    @property
+    def prior(self) -> StepTimeModel:
+        return self._prior
+
+    @property
+    def forgetting(self) -> float:
+        return self._forgetting
+
+    @property
+    def decode_observations(self) -> int:
+        return self._steps
+
+    @property
+    def prefill_observations(self) -> int:
+        return self._prefills
+
+    def current(self) -> StepTimeModel:
+        """The fitted model (``prior`` itself until something is observed)."""
+        cur = self._current
+        if cur is None:
+            t = self._theta
+            cur = StepTimeModel(
+                fixed_s=t[0] / _Y,
+                per_seq_s=t[1] / (_Y * _B),
+                per_context_token_s=t[2] / (_Y * _C),
+                prefill_per_token_s=self._theta_p / (_Y * _T),
+            )
+            self._current = cur
+        return cur
+
+    def predict_decode(self, batch_size: int, context_tokens: int) -> float:
+        """Predicted seconds for one decode step (0 for an empty batch)."""
+        return self.current().decode_time(batch_size, context_tokens)
+
+    def predict_prefill(self, tokens: int) -> float:
+        """Predicted seconds a prefill of ``tokens`` prompt tokens adds to its step."""
+        return self.current().prefill_time(tokens)
+
+    def observe_decode(self, batch_size: int, context_tokens: int, step_s: float) -> None:
+        """Fit one observed decode step: ``batch_size`` >= 1 sequences took ``step_s`` seconds."""
+        check_int("batch_size", batch_size, minimum=1)
+        check_int("context_tokens", context_tokens, minimum=0)
+        y = check_float("step_s", step_s, minimum=0.0) * _Y
+        x = (1.0, batch_size / _B, context_tokens / _C)
+        lam = self._forgetting
+        p = self._p
+        th = self._theta
+        px = [p[i][0] * x[0] + p[i][1] * x[1] + p[i][2] * x[2] for i in range(3)]
+        denom = lam + x[0] * px[0] + x[1] * px[1] + x[2] * px[2]
+        k = [v / denom for v in px]
+        err = y - (th[0] * x[0] + th[1] * x[1] + th[2] * x[2])
+        for i in range(3):
+            th[i] = max(0.0, th[i] + k[i] * err)
+        # P <- (P - k (P x)^T) / lam, kept symmetric.
+        for i in range(3):
+            for j in range(i, 3):
+                v = (p[i][j] - k[i] * px[j]) / lam
+                p[i][j] = v
+                p[j][i] = v
+        trace = p[0][0] + p[1][1] + p[2][2]
+        if trace > _TRACE_MAX:
+            f = _TRACE_MAX / trace
+            for i in range(3):
+                for j in range(3):
+                    p[i][j] *= f
+        self._steps += 1
+        self._current = None
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Fit one observed prefill: ``tokens`` >= 1 prompt tokens added ``seconds`` seconds."""
+        check_int("tokens", tokens, minimum=1)
+        y = check_float("seconds", seconds, minimum=0.0) * _Y
+        x = tokens / _T
+        lam = self._forgetting
+        px = self._pp * x
+        k = px / (lam + x * px)
+        self._theta_p = max(0.0, self._theta_p + k * (y - self._theta_p * x))
+        self._pp = min(_P0, (self._pp - k * px) / lam)
+        self._prefills += 1
+        self._current = None

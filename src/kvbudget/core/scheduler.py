@@ -1,0 +1,936 @@
+"""The scheduler: events in, actions out. Every decision kvbudget makes is taken here, once.
+
+Theory of operation
+-------------------
+A shell calls :meth:`Scheduler.handle` with an event (or the equivalent direct method, which the
+hot path uses to avoid allocating an event) and carries out the returned actions. After anything
+that may have freed blocks or changed demand, :meth:`_pump` runs three passes:
+
+1. *extensions*: requests that asked to grow (ahead of their boundary, or stopped at it) are
+   served first, protected classes first, from free blocks under the pool rules of the ledger;
+   a request stopped at its boundary that still cannot grow is handed to the policy, which says
+   wait, preempt others (victims chosen by the policy, their cost carried in the action),
+   checkpoint itself, or end with a continuation (only if the request allowed it);
+2. *admissions*: queued requests in class-priority order and, within a class, weighted stride
+   order across tenants; each needs its grant to fit the admission budget (leaving the headroom
+   target free), the policy's own gate, the concurrency cap and the latency floor of active
+   streams;
+3. *progress*: if requests wait at their boundaries and nothing else runs or is being released,
+   one of them is checkpointed so the rest can move (no silent truncation, no deadlock).
+
+Arrivals are turned away at once (:class:`Reject`) when the queue ahead of them cannot be admitted
+before their deadline or queue-delay bound, estimated from the recent block release rate, or when
+the queue is at its bound.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING
+
+import attrs
+
+from kvbudget.core import events as ev
+from kvbudget.core.cost import CostModel
+from kvbudget.core.ledger import HOLDING_STATES, Ledger, Outcome, Request, State, Trigger
+from kvbudget.core.lengths import LengthModel
+from kvbudget.core.model import (
+    Capacity,
+    Continuation,
+    RequestSpec,
+    ServiceClass,
+    check_float,
+    check_int,
+    class_table,
+    lookup_class,
+)
+from kvbudget.core.stats import Counters, Snapshot, build_snapshot
+from kvbudget.errors import (
+    AlreadyReleased,
+    DuplicateRequest,
+    GrantExceeded,
+    HardLimitExceeded,
+    InvalidInput,
+    PolicyViolation,
+    UnknownRequest,
+)
+
+if TYPE_CHECKING:
+    from kvbudget.core.policy import Policy
+
+_NOTHING: tuple[ev.Action, ...] = ()
+_LIVE = (State.ADMITTED, State.RUNNING, State.EXTENDING)
+
+
+@attrs.frozen(slots=True)
+class SchedulerConfig:
+    """Knobs of the mechanism (the policy holds the knobs of the decisions).
+
+    ``slack_tokens``: tokens each grant reserves beyond its boundary for engines that overshoot.
+    ``max_active``: cap on admitted requests (vLLM's ``max_num_seqs``). ``max_queued``: bound on
+    waiting callers per class. ``confirm_timeout_s``: after this an unconfirmed stop is counted.
+    ``release_rate_window_s``: time constant of the block release-rate estimate used for
+    ``retry_after``. ``min_retry_after_s``/``max_retry_after_s`` clamp what callers are told.
+    ``remember_released``: how many finished request ids are kept to recognise late events.
+    ``tenant_weights``: weighted fairness across tenants inside a class (default weight 1).
+    """
+
+    slack_tokens: int = attrs.field(default=0)
+    max_active: int | None = attrs.field(default=None)
+    max_queued: int = attrs.field(default=100_000)
+    confirm_timeout_s: float = attrs.field(default=5.0)
+    release_rate_window_s: float = attrs.field(default=10.0)
+    min_retry_after_s: float = attrs.field(default=0.05)
+    max_retry_after_s: float = attrs.field(default=60.0)
+    remember_released: int = attrs.field(default=10_000)
+    tenant_weights: Mapping[str, float] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        check_int("slack_tokens", self.slack_tokens, minimum=0, maximum=1 << 20)
+        if self.max_active is not None:
+            check_int("max_active", self.max_active, minimum=1)
+        check_int("max_queued", self.max_queued, minimum=0)
+        check_float("confirm_timeout_s", self.confirm_timeout_s, open_min=True)
+        check_float("release_rate_window_s", self.release_rate_window_s, open_min=True)
+        check_float("min_retry_after_s", self.min_retry_after_s)
+        check_float("max_retry_after_s", self.max_retry_after_s, minimum=self.min_retry_after_s)
+        check_int("remember_released", self.remember_released, minimum=0)
+        for tenant, weight in self.tenant_weights.items():
+            check_float(f"tenant_weights[{tenant!r}]", weight, open_min=True)
+
+
+class _TenantQueue:
+    __slots__ = ("items", "pass_", "weight")
+
+    def __init__(self, weight: float) -> None:
+        self.items: deque[Request] = deque()
+        self.pass_ = 0.0
+        self.weight = weight
+
+
+class _ClassQueue:
+    """Weighted stride scheduling across tenants inside one service class."""
+
+    __slots__ = ("count", "tenants", "vtime", "want_blocks")
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, _TenantQueue] = {}
+        self.count = 0
+        self.want_blocks = 0
+        self.vtime = 0.0
+
+    def push(self, req: Request, weight: float, front: bool = False) -> None:
+        tq = self.tenants.get(req.spec.tenant)
+        if tq is None:
+            tq = self.tenants[req.spec.tenant] = _TenantQueue(weight)
+        if not tq.items:
+            # an idle tenant does not bank credit while it sends nothing
+            tq.pass_ = max(tq.pass_, self.vtime)
+        if front:
+            tq.items.appendleft(req)
+        else:
+            tq.items.append(req)
+        self.count += 1
+        self.want_blocks += req.want_blocks
+
+    def head(self) -> Request | None:
+        best: _TenantQueue | None = None
+        for tq in self.tenants.values():
+            if tq.items:
+                front = tq.items[0]
+                if front.requeue_front:
+                    return front
+                if best is None or tq.pass_ < best.pass_:
+                    best = tq
+        return best.items[0] if best is not None else None
+
+    def pop(self, req: Request) -> None:
+        tq = self.tenants[req.spec.tenant]
+        if tq.items and tq.items[0] is req:
+            tq.items.popleft()
+            if not req.requeue_front:
+                self.vtime = tq.pass_
+                tq.pass_ += 1.0 / tq.weight
+        else:
+            tq.items.remove(req)
+        req.requeue_front = False
+        self.count -= 1
+        self.want_blocks -= req.want_blocks
+
+    def __iter__(self) -> Iterator[Request]:
+        for tq in self.tenants.values():
+            yield from tq.items
+
+
+class Scheduler:
+    """The sans-I/O core. Pass ``now`` in; get actions out."""
+
+    def __init__(
+        self,
+        capacity: Capacity,
+        *,
+        classes: Mapping[str, ServiceClass] | Iterable[ServiceClass] | None = None,
+        policy: Policy | str | None = None,
+        lengths: LengthModel | None = None,
+        cost: CostModel | None = None,
+        config: SchedulerConfig | None = None,
+    ) -> None:
+        from kvbudget.core.policy import resolve_policy
+
+        if not isinstance(capacity, Capacity):
+            raise InvalidInput("capacity", capacity, "a kvbudget.Capacity")
+        self.capacity = capacity
+        self.classes = class_table(
+            classes if classes is None or isinstance(classes, Mapping) else tuple(classes)
+        )
+        self.config = config or SchedulerConfig()
+        self.ledger = Ledger(capacity, slack_tokens=self.config.slack_tokens)
+        self.lengths = lengths if lengths is not None else LengthModel()
+        self.cost = cost if cost is not None else CostModel()
+        self.policy: Policy = resolve_policy(policy)
+        self.requests: dict[str, Request] = {}
+        self._released: OrderedDict[str, None] = OrderedDict()
+        self._queues: dict[str, _ClassQueue] = {name: _ClassQueue() for name in self.classes}
+        self._class_order = sorted(self.classes.values(), key=lambda c: (c.priority, c.name))
+        self._waiting_ext: dict[str, Request] = {}
+        self._seq = 0
+        self.active = 0  # requests holding a live grant (admitted/running/extending)
+        self.releasing = 0  # requests stopped, blocks held until the engine confirms
+        self.preempting = 0  # of those, preempted ones that will resume
+        self.drift = 0  # last reconciliation: engine-reported minus ledger-expected blocks
+        self.active_context = 0  # prompt + generated over live requests, for the cost model
+        self._active_by_floor: dict[float, int] = {}
+        self._rate_sum = 0.0
+        self._rate_at: float | None = None
+        self._first_release_at: float | None = None
+        self.now = 0.0
+        self.counters: dict[tuple[str, str], Counters] = {}
+        self.policy.bind(self)
+        self._refresh_headroom()
+
+    # == the generic entry point ===================================================================
+
+    def handle(self, event: ev.Event) -> list[ev.Action]:
+        """Apply one event and return the actions the shell must carry out."""
+        if isinstance(event, ev.TokensGenerated):
+            return list(self.charge(event.request_id, event.tokens, event.now))
+        if isinstance(event, ev.Arrived):
+            return self.arrive(event.request_id, event.spec, event.now)
+        if isinstance(event, ev.BoundaryReached):
+            return self.boundary_reached(event.request_id, event.now)
+        if isinstance(event, ev.Finished):
+            return self.finish(event.request_id, event.reason, event.now)
+        if isinstance(event, ev.CancelRequested):
+            return self.cancel(event.request_id, event.now)
+        if isinstance(event, ev.Failed):
+            return self.fail(event.request_id, event.detail, event.now)
+        if isinstance(event, ev.ReleaseConfirmed):
+            return self.confirm_release(event.request_id, event.now)
+        if isinstance(event, ev.StepObserved):
+            return self.observe_step(
+                event.batch_size, event.context_tokens, event.seconds, event.now
+            )
+        if isinstance(event, ev.Tick):
+            return self.tick(event.now)
+        if isinstance(event, ev.KvUsageReported):
+            return self.reconcile(event.used_blocks, event.now)
+        raise InvalidInput("event", event, "a kvbudget.core.events event")
+
+    # == lookups ===================================================================================
+
+    def get(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            if request_id in self._released:
+                raise AlreadyReleased(request_id, "event")
+            raise UnknownRequest(request_id)
+        return req
+
+    def _stats(self, cls: str, tenant: str) -> Counters:
+        key = (cls, tenant)
+        c = self.counters.get(key)
+        if c is None:
+            c = self.counters[key] = Counters()
+        return c
+
+    def _time(self, now: float) -> float:
+        if not (now == now and now not in (math.inf, -math.inf)):  # NaN / inf check, cheap
+            raise InvalidInput("now", now, "a finite time in seconds")
+        if now > self.now:
+            self.now = now
+        return self.now
+
+    # == arrivals ==================================================================================
+
+    def arrive(self, request_id: str, spec: RequestSpec, now: float) -> list[ev.Action]:
+        """A new request. Returns its Admit or Reject (or nothing: it waits) plus side actions."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidInput("request_id", request_id, "a non-empty string")
+        if not isinstance(spec, RequestSpec):
+            raise InvalidInput("spec", spec, "a kvbudget.RequestSpec")
+        if request_id in self.requests or request_id in self._released:
+            raise DuplicateRequest(request_id)
+        cls = lookup_class(self.classes, spec.service_class)
+        now = self._time(now)
+        stats = self._stats(cls.name, spec.tenant)
+        req = Request(request_id, spec, cls, now, stats)
+        stats.arrived += 1
+        req.want_blocks = self._want_blocks(req)
+        if req.want_blocks > self.capacity.blocks - self.ledger.protected_blocks * (
+            not cls.protected
+        ):
+            return [self._reject_new(req, self.config.max_retry_after_s, "too-large")]
+        queue = self._queues[cls.name]
+        if queue.count >= self.config.max_queued:
+            return [self._reject_new(req, self._retry_after(req, queue), "queue-full")]
+        wait = self._estimated_wait(req)
+        bound = self._wait_bound(req, now)
+        if wait > 0.0 and bound is not None and wait > bound:
+            return [self._reject_new(req, wait, "deadline")]
+        self.requests[request_id] = req
+        queue.push(req, self._weight(spec.tenant))
+        return self._pump(now)
+
+    def _weight(self, tenant: str) -> float:
+        return float(self.config.tenant_weights.get(tenant, 1.0))
+
+    def _want_blocks(self, req: Request) -> int:
+        allowance = self._allowance(req)
+        return self.ledger.grant_blocks(req, req.generated + allowance)
+
+    def _allowance(self, req: Request) -> int:
+        allowance = self.policy.initial_allowance(req)
+        if not isinstance(allowance, int) or allowance < 1 or allowance > req.remaining:
+            raise PolicyViolation(
+                self.policy.name,
+                f"initial allowance for {req.request_id!r} must be in [1, {req.remaining}], "
+                f"got {allowance!r}",
+            )
+        return allowance
+
+    def _wait_bound(self, req: Request, now: float) -> float | None:
+        bounds = []
+        if req.cls.max_queue_delay_s is not None:
+            bounds.append(req.cls.max_queue_delay_s)
+        if req.deadline_at is not None:
+            bounds.append(req.deadline_at - now)
+        return min(bounds) if bounds else None
+
+    def _release_rate(self, now: float) -> float:
+        """Blocks per second returned recently (0 when nothing was released yet)."""
+        if self._rate_at is None or self._first_release_at is None:
+            return 0.0
+        tau = self.config.release_rate_window_s
+        decayed = self._rate_sum * math.exp(-(now - self._rate_at) / tau)
+        span = min(tau, max(now - self._first_release_at, 1e-3))
+        return decayed / span
+
+    def _estimated_wait(self, req: Request) -> float:
+        """Seconds until ``req`` could be admitted, from the queue ahead and the release rate."""
+        ahead = 0
+        for cls in self._class_order:
+            if cls.priority > req.cls.priority:
+                break
+            ahead += self._queues[cls.name].want_blocks
+        deficit = ahead + req.want_blocks - self.ledger.admission_free
+        if deficit <= 0 and (self.config.max_active is None or self.active < self.config.max_active):
+            return 0.0
+        deficit = max(deficit, 1)
+        rate = self._release_rate(self.now)
+        if rate <= 0.0:
+            return 0.0 if self.active + self.releasing == 0 else self.config.min_retry_after_s
+        return deficit / rate
+
+    def _retry_after(self, req: Request, queue: _ClassQueue | None = None) -> float:
+        wait = self._estimated_wait(req)
+        return min(max(wait, self.config.min_retry_after_s), self.config.max_retry_after_s)
+
+    def _reject_new(self, req: Request, wait: float, reason: str) -> ev.Reject:
+        req.state = State.REJECTED
+        req.outcome = Outcome.REJECTED
+        req.stats.rejected += 1
+        self._remember(req.request_id)
+        retry = min(max(wait, self.config.min_retry_after_s), self.config.max_retry_after_s)
+        return ev.Reject(req.request_id, retry, reason)
+
+    # == the hot path ==============================================================================
+
+    def charge(self, request_id: str, tokens: int, now: float) -> tuple[ev.Action, ...] | list[ev.Action]:
+        """Book ``tokens`` newly generated tokens. O(1); returns actions only near a boundary."""
+        req = self.requests.get(request_id)
+        if req is None:
+            self.get(request_id)  # raises the right error
+        assert req is not None
+        if tokens.__class__ is not int or tokens < 1:
+            raise InvalidInput("tokens", tokens, "an integer >= 1")
+        g = req.generated + tokens
+        if g > req.hard_max:
+            raise HardLimitExceeded(request_id, req.hard_max, g)
+        state = req.state
+        if g > req.boundary + self.ledger.slack_tokens and state in HOLDING_STATES:
+            raise GrantExceeded(request_id, req.boundary, self.ledger.slack_tokens, g)
+        if state is State.RUNNING:
+            pass
+        elif state is State.ADMITTED:
+            req.state = State.RUNNING
+            req.first_token_at = now
+        elif state is State.RELEASING or state is State.PREEMPTING:
+            req.wasted += tokens
+            req.stats.wasted_tokens += tokens
+            self.ledger.charge(req, tokens)
+            return _NOTHING
+        elif state is State.EXTENDING:
+            pass
+        else:
+            self.ledger.check_transition(req, Trigger.TOKENS)
+        last = req.last_token_at
+        if last is not None and now - last > req.floor:
+            req.stats.stalls += 1
+        req.last_token_at = now
+        self.active_context += tokens
+        self.ledger.charge(req, tokens)
+        req.stats.tokens += tokens
+        if (g >= req.ask_at or g > req.boundary) and g < req.hard_max:
+            return self._near_boundary(req, now)
+        return _NOTHING
+
+    def _near_boundary(self, req: Request, now: float) -> list[ev.Action]:
+        if req.generated > req.boundary:
+            return self._blocked(req, now)
+        if not req.ext_pending:
+            self._want_extension(req)
+            actions = self._pump(now)
+            if req.ext_pending:
+                actions.append(ev.Deny(req.request_id, "no-headroom"))
+            return actions
+        return []
+
+    def _want_extension(self, req: Request) -> None:
+        req.ext_pending = True
+        self._waiting_ext[req.request_id] = req
+        req.ask_at = req.hard_max + 1  # asked once per boundary
+
+    def boundary_reached(self, request_id: str, now: float) -> list[ev.Action]:
+        """The engine stopped at the boundary and the request wants more tokens."""
+        req = self.get(request_id)
+        now = self._time(now)
+        if req.state not in _LIVE:
+            self.ledger.check_transition(req, Trigger.BLOCK)
+        if req.generated < req.boundary:
+            raise InvalidInput(
+                "boundary_reached", request_id, f"only after {req.boundary} tokens (has {req.generated})"
+            )
+        if req.generated >= req.hard_max:
+            raise HardLimitExceeded(request_id, req.hard_max, req.generated + 1)
+        return self._blocked(req, now)
+
+    def _blocked(self, req: Request, now: float) -> list[ev.Action]:
+        if req.state is not State.EXTENDING:
+            self.ledger.transition(req, Trigger.BLOCK)
+            req.blocked_handled = False
+        if not req.ext_pending:
+            self._want_extension(req)
+        return self._pump(now)
+
+    # == stops =====================================================================================
+
+    def finish(self, request_id: str, reason: str, now: float) -> list[ev.Action]:
+        """The engine reports that the request stopped by itself or at its hard max."""
+        req = self.get(request_id)
+        now = self._time(now)
+        if reason not in ("stop", "length"):
+            raise InvalidInput("reason", reason, "'stop' or 'length'")
+        if reason == "length" and req.generated < req.hard_max and req.state in _LIVE:
+            # an engine that stops short of the hard max for "length" would be a silent cut
+            raise InvalidInput(
+                "reason",
+                reason,
+                f"'length' only at the hard max ({req.hard_max}); request has {req.generated}",
+            )
+        if req.state in (State.RELEASING,):
+            self.ledger.transition(req, Trigger.FINISH)
+            return []
+        was_preempting = req.state is State.PREEMPTING
+        self._stop(req, Trigger.FINISH, now)
+        req.outcome = Outcome.COMPLETED
+        if was_preempting:
+            req.resume = None
+        censored = False
+        self.lengths.observe(req.key, req.generated, censored=censored)
+        if req.preemptions == 0 and req.allowance > 0:
+            self.lengths.record_outcome(
+                req.key, req.allowance, req.generated, req.cls.initial_quantile
+            )
+        self.policy.on_finished(req, req.generated)
+        return self._pump(now)
+
+    def cancel(self, request_id: str, now: float) -> list[ev.Action]:
+        """The caller went away. Queued: gone at no cost. Live: abort, blocks held until confirmed."""
+        req = self.get(request_id)
+        now = self._time(now)
+        if req.state in (State.QUEUED, State.CHECKPOINTED):
+            self._dequeue(req)
+            if req.state is State.CHECKPOINTED:
+                req.stats.wasted_tokens += req.generated
+            self.ledger.transition(req, Trigger.CANCEL)
+            req.outcome = Outcome.CANCELLED
+            req.stats.cancelled += 1
+            self._forget(req)
+            return self._pump(now)
+        if req.state is State.RELEASING:
+            return []
+        self.ledger.check_transition(req, Trigger.CANCEL)
+        was_live = req.state in _LIVE
+        self._stop(req, Trigger.CANCEL, now)
+        req.outcome = Outcome.CANCELLED
+        req.stats.cancelled += 1
+        req.stats.wasted_tokens += req.generated
+        if req.generated > 0:
+            self.lengths.observe(req.key, req.generated, censored=True)
+        actions: list[ev.Action] = []
+        if was_live:
+            actions.append(ev.Abort(request_id, "cancelled"))
+        actions.extend(self._pump(now))
+        return actions
+
+    def fail(self, request_id: str, detail: str, now: float) -> list[ev.Action]:
+        """The engine failed the request. Blocks stay charged until it confirms."""
+        req = self.get(request_id)
+        now = self._time(now)
+        if req.state in (State.QUEUED, State.CHECKPOINTED):
+            self._dequeue(req)
+            req.state = State.RELEASED
+            req.outcome = Outcome.FAILED
+            req.stats.failed += 1
+            self._forget(req)
+            return self._pump(now)
+        if req.state is State.RELEASING:
+            return []
+        self._stop(req, Trigger.FAIL, now)
+        req.outcome = Outcome.FAILED
+        req.stats.failed += 1
+        req.stats.wasted_tokens += req.generated
+        return self._pump(now)
+
+    def _stop(self, req: Request, trigger: Trigger, now: float) -> None:
+        was_live = req.state in _LIVE
+        self.ledger.stop(req, trigger)
+        req.release_started_at = now
+        if req.ext_pending:
+            req.ext_pending = False
+            self._waiting_ext.pop(req.request_id, None)
+        if was_live:
+            self._leave_active(req)
+            self.releasing += 1
+        elif req.state is State.RELEASING and trigger is not Trigger.PREEMPT:
+            self.preempting -= 1  # a preempted request stopped for good before its confirmation
+
+    def _leave_active(self, req: Request) -> None:
+        self.active -= 1
+        self.active_context -= req.prompt + req.generated
+        self.policy.on_leave(req)
+        n = self._active_by_floor[req.floor] - 1
+        if n:
+            self._active_by_floor[req.floor] = n
+        else:
+            del self._active_by_floor[req.floor]
+
+    def _enter_active(self, req: Request) -> None:
+        self.active += 1
+        self.active_context += req.prompt + req.generated
+        self._active_by_floor[req.floor] = self._active_by_floor.get(req.floor, 0) + 1
+
+    # == confirmation ==============================================================================
+
+    def confirm_release(self, request_id: str, now: float) -> list[ev.Action]:
+        """The engine confirms the stopped request's KV is free: its blocks return now."""
+        req = self.get(request_id)
+        now = self._time(now)
+        return self._release(req, now, [])
+
+    def _release(self, req: Request, now: float, actions: list[ev.Action]) -> list[ev.Action]:
+        preempting = req.state is State.PREEMPTING
+        freed = self.ledger.release(req)
+        self.releasing -= 1
+        if preempting:
+            self.preempting -= 1
+        self._note_release(freed, now)
+        if preempting:
+            req.state = State.CHECKPOINTED
+            req.resume = req.checkpoint()
+            req.requeue_front = self.policy.requeue_front
+            req.want_blocks = self._want_blocks(req)
+            self._queues[req.cls.name].push(req, self._weight(req.spec.tenant), front=req.requeue_front)
+            actions.append(ev.Released(req.request_id, freed, "preempted", resumable=True))
+        else:
+            if req.outcome is Outcome.COMPLETED:
+                req.stats.completed += 1
+            elif req.outcome is Outcome.CONTINUED:
+                req.stats.continued += 1
+            outcome = req.outcome.value if req.outcome is not None else "released"
+            actions.append(ev.Released(req.request_id, freed, outcome))
+            self._forget(req)
+        actions.extend(self._pump(now))
+        return actions
+
+    def _note_release(self, blocks: int, now: float) -> None:
+        if self._first_release_at is None:
+            self._first_release_at = now
+        if self._rate_at is not None:
+            self._rate_sum *= math.exp(-(now - self._rate_at) / self.config.release_rate_window_s)
+        self._rate_sum += blocks
+        self._rate_at = now
+
+    def _forget(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        self._remember(req.request_id)
+
+    def _remember(self, request_id: str) -> None:
+        if self.config.remember_released:
+            self._released[request_id] = None
+            if len(self._released) > self.config.remember_released:
+                self._released.popitem(last=False)
+
+    # == time, steps, reconciliation ===============================================================
+
+    def observe_step(
+        self, batch_size: int, context_tokens: int, seconds: float, now: float
+    ) -> list[ev.Action]:
+        check_int("batch_size", batch_size, minimum=0)
+        check_int("context_tokens", context_tokens, minimum=0)
+        check_float("seconds", seconds)
+        self._time(now)
+        if batch_size > 0:
+            self.cost.observe_decode(batch_size, context_tokens, seconds)
+        self.policy.on_step()
+        return []
+
+    def tick(self, now: float) -> list[ev.Action]:
+        """Time passed: turn away queued callers past their bound, count unconfirmed stops."""
+        now = self._time(now)
+        actions: list[ev.Action] = []
+        for cls in self._class_order:
+            queue = self._queues[cls.name]
+            if not queue.count:
+                continue
+            expired = []
+            for req in queue:
+                limit = self._wait_bound(req, req.arrival)
+                if req.state is State.CHECKPOINTED:
+                    if req.deadline_at is not None and now > req.deadline_at:
+                        expired.append(req)
+                elif limit is not None and now - req.arrival > limit:
+                    expired.append(req)
+            for req in expired:
+                self._dequeue(req)
+                if req.state is State.CHECKPOINTED:
+                    self.ledger.transition(req, Trigger.EXPIRE)
+                    req.outcome = Outcome.FAILED
+                    req.stats.failed += 1
+                    req.stats.wasted_tokens += req.generated
+                    self._forget(req)
+                    actions.append(ev.Reject(req.request_id, self.config.min_retry_after_s, "deadline"))
+                else:
+                    self.ledger.transition(req, Trigger.REJECT)
+                    req.outcome = Outcome.REJECTED
+                    req.stats.rejected += 1
+                    self.requests.pop(req.request_id, None)
+                    self._remember(req.request_id)
+                    actions.append(
+                        ev.Reject(req.request_id, self._retry_after(req), "queue-timeout")
+                    )
+        timeout = self.config.confirm_timeout_s
+        for req in list(self.requests.values()):
+            if (
+                req.state in (State.RELEASING, State.PREEMPTING)
+                and not req.unconfirmed
+                and req.release_started_at is not None
+                and now - req.release_started_at > timeout
+            ):
+                req.unconfirmed = True
+                req.stats.unconfirmed += 1
+        actions.extend(self._pump(now))
+        return actions
+
+    def reconcile(self, engine_used_blocks: int, now: float) -> list[ev.Action]:
+        """Compare the engine's KV usage with the ledger; free unconfirmed stops it no longer holds.
+
+        Requests that still run account for their used blocks; whatever the engine holds beyond
+        that belongs to stopped-but-unconfirmed requests. The oldest unconfirmed stops whose
+        blocks the engine cannot still be holding are released.
+        """
+        check_int("engine_used_blocks", engine_used_blocks, minimum=0)
+        now = self._time(now)
+        running_used = 0
+        stopped: list[Request] = []
+        for req in self.requests.values():
+            if req.state in _LIVE:
+                running_used += req.used_blocks
+            elif req.state in (State.RELEASING, State.PREEMPTING):
+                stopped.append(req)
+        drift = engine_used_blocks - running_used - sum(r.used_blocks for r in stopped)
+        self.drift = drift
+        if drift != 0:
+            self._stats("*", "*").drift_events += 1
+        phantom = max(0, engine_used_blocks - running_used)
+        # the newest stops are the likeliest to still be held by the engine
+        candidates = sorted(
+            (r for r in stopped if r.unconfirmed), key=lambda r: r.release_started_at or 0.0
+        )
+        still_held = sum(r.used_blocks for r in stopped if not r.unconfirmed)
+        actions: list[ev.Action] = []
+        for req in candidates:
+            if still_held + sum(r.used_blocks for r in candidates if r.state in HOLDING_STATES) <= phantom:
+                break
+            req.stats.reconciled += 1
+            self._release(req, now, actions)
+        return actions
+
+    # == the pump ==================================================================================
+
+    def _refresh_headroom(self) -> None:
+        target = self.policy.headroom_target()
+        protected = self.policy.protected_blocks()
+        self.ledger.set_headroom(
+            min(target, self.capacity.blocks), min(protected, target, self.capacity.blocks),
+            self.policy.name,
+        )
+
+    def _pump(self, now: float) -> list[ev.Action]:
+        actions: list[ev.Action] = []
+        self._refresh_headroom()
+        if self._waiting_ext:
+            self._serve_extensions(now, actions)
+        self._admit(now, actions)
+        if self._waiting_ext:
+            self._ensure_progress(now, actions)
+        return actions
+
+    def _serve_extensions(self, now: float, actions: list[ev.Action]) -> None:
+        waiting = sorted(
+            self._waiting_ext.values(), key=lambda r: (r.cls.priority, r.state is not State.EXTENDING, r.seq)
+        )
+        for req in waiting:
+            if not req.ext_pending:
+                continue
+            if self._try_extend(req, actions):
+                continue
+            if req.state is State.EXTENDING and (not req.blocked_handled or not self.preempting):
+                req.blocked_handled = True
+                self._handle_blocked(req, now, actions)
+
+    def _try_extend(self, req: Request, actions: list[ev.Action]) -> bool:
+        tokens = self.policy.extension_tokens(req)
+        if tokens is None:
+            return False
+        if not isinstance(tokens, int) or tokens < 1:
+            raise PolicyViolation(self.policy.name, f"extension must be >= 1 token, got {tokens!r}")
+        boundary = req.boundary + tokens
+        if boundary > req.hard_max:
+            raise PolicyViolation(
+                self.policy.name,
+                f"extension of {req.request_id!r} to {boundary} tokens passes its hard max "
+                f"{req.hard_max}",
+            )
+        extra = self.ledger.grant_blocks(req, boundary) - req.blocks
+        if not self.ledger.fits_extension(extra, req.cls.protected):
+            # bounded increments: take what the pool allows now, the rest later
+            floor = 0 if req.cls.protected else self.ledger.protected_blocks
+            extra = self.ledger.free - floor
+            if extra < 1:
+                return False
+            boundary = min(boundary, self.ledger.covered_boundary(req, req.blocks + extra))
+            if boundary <= req.boundary:
+                return False
+        if extra > 0 and not self._within_floor(0, extra * self.capacity.block_size):
+            return False
+        self.ledger.extend(req, boundary, self.policy.name)
+        req.ext_pending = False
+        req.blocked_handled = False
+        del self._waiting_ext[req.request_id]
+        req.ask_at = max(req.boundary - self.policy.lookahead_tokens(req), req.generated + 1)
+        self.policy.on_granted(req)
+        req.stats.extensions += 1
+        actions.append(ev.Extend(req.request_id, req.boundary, req.blocks))
+        return True
+
+    def _handle_blocked(self, req: Request, now: float, actions: list[ev.Action]) -> None:
+        from kvbudget.core.policy import Blocked
+
+        decision = self.policy.on_blocked(req)
+        req.stats.extensions_denied += 1
+        if decision is Blocked.WAIT:
+            return
+        if decision is Blocked.CONTINUE:
+            if req.spec.on_exhausted != "continue":
+                raise PolicyViolation(
+                    self.policy.name,
+                    f"continuation for {req.request_id!r}, which did not allow one "
+                    "(on_exhausted='extend'): that would be a silent truncation",
+                )
+            self._continue(req, now, actions)
+            return
+        if decision is Blocked.PREEMPT_SELF:
+            self._preempt(req, now, actions, reason="boundary")
+            return
+        if decision is Blocked.PREEMPT_OTHERS:
+            want = self.policy.extension_tokens(req) or 1
+            boundary = min(req.hard_max, req.boundary + want)
+            floor = 0 if req.cls.protected else self.ledger.protected_blocks
+            need = self.ledger.grant_blocks(req, boundary) - req.blocks
+            need = max(1, need - (self.ledger.free - floor))
+            candidates = [r for r in self.requests.values() if r.state in _LIVE]
+            for victim in self.policy.choose_victims(req, need, candidates):
+                if victim.state not in _LIVE:
+                    raise PolicyViolation(
+                        self.policy.name, f"victim {victim.request_id!r} is not running"
+                    )
+                self._preempt(victim, now, actions, reason=f"for:{req.request_id}")
+                if victim is req:
+                    return
+            return
+        raise PolicyViolation(self.policy.name, f"unknown blocked decision {decision!r}")
+
+    def _preempt(self, req: Request, now: float, actions: list[ev.Action], reason: str) -> None:
+        ckpt = req.checkpoint()
+        self._stop(req, Trigger.PREEMPT, now)
+        req.preemptions += 1
+        req.stats.preemptions += 1
+        req.stats.recompute_tokens += ckpt.recompute_tokens
+        self.preempting += 1
+        if req.generated > 0:
+            # a preempted request is known to be longer than what it generated so far
+            self.lengths.observe(req.key, req.generated, censored=True)
+        actions.append(
+            ev.Preempt(req.request_id, ckpt, ckpt.recompute_tokens, req.deadline_at, reason)
+        )
+
+    def _continue(self, req: Request, now: float, actions: list[ev.Action]) -> None:
+        self._stop(req, Trigger.CONTINUE, now)
+        req.outcome = Outcome.CONTINUED
+        req.continuation_seq += 1
+        cont = Continuation(
+            request_id=req.request_id,
+            continuation_id=f"{req.request_id}~{req.continuation_seq}",
+            prompt_tokens=req.prompt,
+            generated_tokens=req.generated,
+            remaining_tokens=req.remaining,
+        )
+        actions.append(ev.Continue(req.request_id, cont))
+
+    def _within_floor(self, extra_seqs: int, extra_context: int) -> bool:
+        """Would a step with this much more work stay under every active stream's floor?"""
+        if not self._active_by_floor:
+            return True
+        floor = min(self._active_by_floor)
+        if floor == math.inf:
+            return True
+        predicted = self.cost.predict_decode(
+            self.active + extra_seqs, self.active_context + extra_context
+        )
+        return predicted <= floor
+
+    def _admit(self, now: float, actions: list[ev.Action]) -> None:
+        cap = self.config.max_active
+        for cls in self._class_order:
+            queue = self._queues[cls.name]
+            while queue.count:
+                req = queue.head()
+                assert req is not None
+                if cap is not None and self.active >= cap:
+                    return
+                allowance = self._allowance(req)
+                boundary = req.generated + allowance
+                blocks = self.ledger.grant_blocks(req, boundary)
+                ok = (
+                    self.ledger.fits_admission(blocks)
+                    and self.policy.admit(req, blocks)
+                    and (
+                        self.active == 0
+                        or self._within_floor(1, req.prompt + req.generated + allowance)
+                    )
+                )
+                if not ok:
+                    if cls.protected and self.policy.preempt_for_admission:
+                        self._preempt_for_admission(req, blocks, now, actions)
+                    return  # strict priority: nothing behind the head jumps it
+                queue.pop(req)
+                self._grant(req, boundary, allowance, now, actions)
+
+    def _preempt_for_admission(
+        self, req: Request, blocks: int, now: float, actions: list[ev.Action]
+    ) -> None:
+        if self.preempting:
+            return  # room is already on its way back; do not preempt twice for one head
+        need = blocks - (self.ledger.free - self.ledger.headroom_target)
+        candidates = [r for r in self.requests.values() if r.state in _LIVE and r.cls.preemptible]
+        victims = self.policy.choose_victims(req, need, candidates)
+        for victim in victims:
+            if victim is req or victim.state not in _LIVE:
+                raise PolicyViolation(self.policy.name, "admission victims must be running requests")
+            self._preempt(victim, now, actions, reason=f"admit:{req.request_id}")
+
+    def _grant(
+        self, req: Request, boundary: int, allowance: int, now: float, actions: list[ev.Action]
+    ) -> None:
+        resume = req.resume
+        if req.allowance == 0:
+            req.allowance = allowance
+        self._seq += 1
+        req.seq = self._seq
+        self.ledger.grant(req, boundary, self.policy.name)
+        self._enter_active(req)
+        req.ask_at = max(req.boundary - self.policy.lookahead_tokens(req), req.generated + 1)
+        if req.boundary >= req.hard_max:
+            req.ask_at = req.hard_max + 1
+        req.last_token_at = None
+        self.policy.on_granted(req)
+        req.stats.admitted += 1
+        actions.append(ev.Admit(req.request_id, req.boundary, req.blocks, resume))
+
+    def _dequeue(self, req: Request) -> None:
+        self._queues[req.cls.name].pop(req)
+
+    def _ensure_progress(self, now: float, actions: list[ev.Action]) -> None:
+        """If everyone waits at a boundary and nothing will free blocks, checkpoint one."""
+        for req in self.requests.values():
+            if req.state in (State.ADMITTED, State.RUNNING, State.PREEMPTING, State.RELEASING):
+                return
+        stuck = [r for r in self._waiting_ext.values() if r.state is State.EXTENDING]
+        if not stuck:
+            return
+        # the least important, most recently admitted one gives way
+        victim = max(stuck, key=lambda r: (r.cls.priority, not r.cls.protected, r.seq))
+        if victim.spec.on_exhausted == "continue":
+            self._continue(victim, now, actions)
+        elif len(stuck) > 1:
+            self._preempt(victim, now, actions, reason="progress")
+        else:
+            # alone, holding every block it could get, and still short: the request needs more
+            # KV than the engine has. End it explicitly rather than cut it silently.
+            self._stop(victim, Trigger.FAIL, now)
+            victim.outcome = Outcome.FAILED
+            victim.stats.failed += 1
+            victim.stats.wasted_tokens += victim.generated
+            actions.append(ev.Abort(victim.request_id, "capacity-exhausted"))
+
+    # == reporting =================================================================================
+
+    def snapshot(self) -> Snapshot:
+        return build_snapshot(self)
+
+    def queued(self) -> int:
+        return sum(q.count for q in self._queues.values())
+
+    def all_requests(self) -> list[Request]:
+        return list(self.requests.values())
+
+    def check_invariants(self) -> None:
+        """Assert the ledger invariants (used by the property harness and in debugging)."""
+        self.ledger.check(list(self.requests.values()))
+        assert self.active == sum(1 for r in self.requests.values() if r.state in _LIVE)
+
+
+__all__ = ["Scheduler", "SchedulerConfig"]

@@ -1,0 +1,223 @@
+"""Counters and the snapshot value (DESIGN §9): what the core counts, per class and tenant.
+
+The counters are plain mutable slots bumped on the hot path; :func:`build_snapshot` turns them and
+the ledger into one frozen :class:`Snapshot` that shells expose as ``Budget.snapshot()``, log as
+structlog events and export to Prometheus.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+
+if TYPE_CHECKING:
+    from kvbudget.core.lengths import UnderestimationReport
+    from kvbudget.core.scheduler import Scheduler
+
+COUNTER_FIELDS: tuple[str, ...] = (
+    "arrived",
+    "admitted",
+    "rejected",
+    "completed",
+    "cancelled",
+    "continued",
+    "failed",
+    "preemptions",
+    "recompute_tokens",
+    "wasted_tokens",
+    "tokens",
+    "stalls",
+    "extensions",
+    "extensions_denied",
+    "unconfirmed",
+    "reconciled",
+    "drift_events",
+)
+
+
+class Counters:
+    """Monotonic counters for one (service class, tenant)."""
+
+    __slots__ = COUNTER_FIELDS
+
+    def __init__(self) -> None:
+        for name in COUNTER_FIELDS:
+            setattr(self, name, 0)
+
+    arrived: int
+    admitted: int
+    rejected: int
+    completed: int
+    cancelled: int
+    continued: int
+    failed: int
+    preemptions: int
+    recompute_tokens: int
+    wasted_tokens: int
+    tokens: int
+    stalls: int
+    extensions: int
+    extensions_denied: int
+    unconfirmed: int
+    reconciled: int
+    drift_events: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in COUNTER_FIELDS}
+
+
+@attrs.frozen(slots=True)
+class CounterValues:
+    """A frozen copy of :class:`Counters`."""
+
+    arrived: int = 0
+    admitted: int = 0
+    rejected: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    continued: int = 0
+    failed: int = 0
+    preemptions: int = 0
+    recompute_tokens: int = 0
+    wasted_tokens: int = 0
+    tokens: int = 0
+    stalls: int = 0
+    extensions: int = 0
+    extensions_denied: int = 0
+    unconfirmed: int = 0
+    reconciled: int = 0
+    drift_events: int = 0
+
+
+@attrs.frozen(slots=True)
+class Snapshot:
+    """The budget at one instant. Block figures are whole KV blocks.
+
+    ``reserved_blocks`` = blocks held by grants (including stopped requests awaiting
+    confirmation); ``free_blocks`` = capacity - reserved; ``headroom_blocks`` = the headroom
+    target admissions must leave free, ``headroom_free_blocks`` the part of it still free;
+    ``used_blocks`` = blocks the generated tokens really occupy (reserved - used is stranded).
+    ``active`` = admitted and not yet stopped; ``queued`` waiting for admission (including
+    checkpointed requests waiting to resume); ``releasing`` stopped and awaiting confirmation.
+    """
+
+    capacity_blocks: int
+    block_size: int
+    reserved_blocks: int
+    used_blocks: int
+    free_blocks: int
+    headroom_blocks: int
+    headroom_free_blocks: int
+    protected_blocks: int
+    admission_free_blocks: int
+    active: int
+    queued: int
+    releasing: int
+    unconfirmed_releasing: int
+    policy: str
+    totals: CounterValues
+    by_class: dict[str, CounterValues]
+    by_tenant: dict[str, CounterValues]
+    by_class_tenant: dict[tuple[str, str], CounterValues]
+    underestimation: UnderestimationReport | None
+    drift_blocks: int
+
+    # convenience accessors for the DESIGN §9 names
+    @property
+    def completed(self) -> int:
+        return self.totals.completed
+
+    @property
+    def rejected(self) -> int:
+        return self.totals.rejected
+
+    @property
+    def cancelled(self) -> int:
+        return self.totals.cancelled
+
+    @property
+    def preemptions(self) -> int:
+        return self.totals.preemptions
+
+    @property
+    def recompute_tokens(self) -> int:
+        return self.totals.recompute_tokens
+
+    @property
+    def wasted_tokens(self) -> int:
+        return self.totals.wasted_tokens
+
+    @property
+    def stalls(self) -> int:
+        return self.totals.stalls
+
+    @property
+    def extensions_granted(self) -> int:
+        return self.totals.extensions
+
+    @property
+    def extensions_denied(self) -> int:
+        return self.totals.extensions_denied
+
+    @property
+    def overload_rejections(self) -> int:
+        return self.totals.rejected
+
+    @property
+    def unconfirmed_aborts(self) -> int:
+        return self.totals.unconfirmed
+
+    @property
+    def stranded_blocks(self) -> int:
+        return self.reserved_blocks - self.used_blocks
+
+
+def _sum(counters: list[Counters]) -> CounterValues:
+    totals = dict.fromkeys(COUNTER_FIELDS, 0)
+    for c in counters:
+        for name in COUNTER_FIELDS:
+            totals[name] += getattr(c, name)
+    return CounterValues(**totals)
+
+
+def build_snapshot(s: Scheduler) -> Snapshot:
+    from kvbudget.core.ledger import State
+
+    led = s.ledger
+    by_class: dict[str, list[Counters]] = {}
+    by_tenant: dict[str, list[Counters]] = {}
+    for (cls, tenant), c in s.counters.items():
+        by_class.setdefault(cls, []).append(c)
+        by_tenant.setdefault(tenant, []).append(c)
+    unconfirmed = sum(
+        1
+        for r in s.requests.values()
+        if r.unconfirmed and r.state in (State.RELEASING, State.PREEMPTING)
+    )
+    try:
+        under: UnderestimationReport | None = s.lengths.underestimation()
+    except Exception:  # a user length model without tracking
+        under = None
+    return Snapshot(
+        capacity_blocks=led.capacity.blocks,
+        block_size=led.block_size,
+        reserved_blocks=led.reserved,
+        used_blocks=led.used,
+        free_blocks=led.free,
+        headroom_blocks=led.headroom_target,
+        headroom_free_blocks=led.headroom_free,
+        protected_blocks=led.protected_blocks,
+        admission_free_blocks=led.admission_free,
+        active=s.active,
+        queued=s.queued(),
+        releasing=s.releasing,
+        unconfirmed_releasing=unconfirmed,
+        policy=s.policy.name,
+        totals=_sum(list(s.counters.values())),
+        by_class={k: _sum(v) for k, v in by_class.items()},
+        by_tenant={k: _sum(v) for k, v in by_tenant.items()},
+        by_class_tenant={k: _sum([v]) for k, v in s.counters.items()},
+        underestimation=under,
+        drift_blocks=s.drift,
+    )
