@@ -103,7 +103,9 @@ def test_hard_max_respected_and_clamps_counted() -> None:
 
 
 def test_long_prompt_is_clamped_to_leave_one_output_token() -> None:
-    w = Workload(name="w", requests=(TraceRequest(arrival_s=0.0, prompt_tokens=9000, output_tokens=50),))
+    w = Workload(
+        name="w", requests=(TraceRequest(arrival_s=0.0, prompt_tokens=9000, output_tokens=50),)
+    )
     (r,) = apply_scenario(w, Scenario(model_max_len=8192))
     assert r.prompt_tokens == 8191 and r.unclamped_prompt_tokens == 9000
     assert r.hard_max == 1 and r.true_output_tokens == 1 and r.unclamped_output_tokens == 50
@@ -255,7 +257,9 @@ def test_apply_scenario_checks_its_arguments() -> None:
 
 
 def test_service_classes_take_the_objectives() -> None:
-    interactive, batch = Scenario(ttft_slo_s=1.0, itl_floor_s=0.1, batch_deadline_s=300).service_classes()
+    interactive, batch = Scenario(
+        ttft_slo_s=1.0, itl_floor_s=0.1, batch_deadline_s=300
+    ).service_classes()
     assert interactive.name == "interactive" and batch.name == "batch"
     assert interactive.ttft_slo_s == 1.0 and interactive.max_queue_delay_s == 1.0
     assert interactive.latency_floor_s == 0.1 and interactive.protected
@@ -278,7 +282,7 @@ def test_json_round_trip() -> None:
     assert Scenario.from_dict(sc.to_dict()) == sc
     assert scenario_from_dict({}) == Scenario()
     assert scenario_from_dict(scenario_to_dict(Scenario())).wave is None
-    assert Scenario(tenants={"a": 1.0, "b": 3.0}).tenants == (("a", 1.0), ("b", 3.0))  # type: ignore[arg-type]
+    assert Scenario(tenants={"a": 1.0, "b": 3.0}).tenants == (("a", 1.0), ("b", 3.0))
     with pytest.raises(InvalidInput, match="known field"):
         scenario_from_dict({"interactive_shares": 0.5})
     with pytest.raises(InvalidInput):

@@ -6,6 +6,7 @@ import json
 import math
 import statistics
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,7 @@ def test_real_azure_trace_parses_fast_and_matches_published_totals() -> None:
     # Row 2 is 18:15:50.9951690, row 1 18:15:46.6805900: 4.3145790 s later (7 digits kept).
     assert w.requests[1].arrival_s == pytest.approx(4.314579, abs=1e-6)
     assert w.requests[1].prompt_tokens == 396 and w.requests[1].output_tokens == 109
-    assert all(a.arrival_s <= b.arrival_s for a, b in zip(w.requests, w.requests[1:]))
+    assert all(a.arrival_s <= b.arrival_s for a, b in pairwise(w.requests))
     assert w.duration_s == pytest.approx(3501.72, abs=0.01)
     assert w.source == str(AZURE_TRACE)
 
@@ -256,12 +257,12 @@ def test_value_types_validate() -> None:
         TraceRequest(arrival_s=0.0, prompt_tokens=1, output_tokens=0)
     with pytest.raises(InvalidInput):
         TraceRequest(arrival_s=math.nan, prompt_tokens=1, output_tokens=1)
-    a = TraceRequest(arrival_s=1.0, prompt_tokens=1, output_tokens=1, hash_ids=[3])  # type: ignore[arg-type]
+    a = TraceRequest(arrival_s=1.0, prompt_tokens=1, output_tokens=1, hash_ids=[3])
     assert a.hash_ids == (3,)
     b = TraceRequest(arrival_s=0.5, prompt_tokens=1, output_tokens=2)
     with pytest.raises(InvalidInput, match="sorted by arrival"):
         Workload(name="w", requests=(a, b))
-    w = Workload(name="w", requests=[b, a], source="x")  # type: ignore[arg-type]
+    w = Workload(name="w", requests=[b, a], source="x")
     assert w.duration_s == 0.5 and w.total_output_tokens == 3 and len(w) == 2
     assert Workload(name="one", requests=(a,)).duration_s == 0.0
 
@@ -337,12 +338,12 @@ def test_synthetic_lengths_match_the_published_statistics(seed: int) -> None:
 def test_synthetic_arrivals_rate_and_burstiness() -> None:
     poisson = synthetic_workload(seed=3, n_requests=20_000, rate_rps=10.0)
     assert len(poisson.requests) / poisson.duration_s == pytest.approx(10.0, rel=0.05)
-    gaps = [b.arrival_s - a.arrival_s for a, b in zip(poisson.requests, poisson.requests[1:])]
+    gaps = [b.arrival_s - a.arrival_s for a, b in pairwise(poisson.requests)]
     assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(1.0, abs=0.05)
 
     bursty = synthetic_workload(seed=3, n_requests=20_000, rate_rps=10.0, arrival_cv=2.0)
     assert len(bursty.requests) / bursty.duration_s == pytest.approx(10.0, rel=0.08)
-    gaps = [b.arrival_s - a.arrival_s for a, b in zip(bursty.requests, bursty.requests[1:])]
+    gaps = [b.arrival_s - a.arrival_s for a, b in pairwise(bursty.requests)]
     assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(2.0, abs=0.15)
 
 

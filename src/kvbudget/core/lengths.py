@@ -489,6 +489,7 @@ class LengthModel:
         "_overall",
         "_prior",
         "_resolved",
+        "_threshold",
     )
 
     def __init__(
@@ -505,6 +506,10 @@ class LengthModel:
         self._half_life = check_float("half_life", half_life, minimum=0.0, open_min=True)
         self._prior = check_int("prior_tokens", prior_tokens, minimum=1)
         self._max_dim_values = check_int("max_dimension_values", max_dimension_values, minimum=1)
+        # Decayed weight of min_samples consecutive events, less a rounding margin.
+        rate = math.log(2.0) / self._half_life
+        fresh = math.expm1(-rate * self._min_samples) / math.expm1(-rate)
+        self._threshold = min(float(self._min_samples), fresh) * (1.0 - 1e-9)
         self._global = _Node(LengthHistogram(self._half_life))
         self._nodes: OrderedDict[_LevelKey, _Node] = OrderedDict()
         self._epoch = 0
@@ -591,7 +596,7 @@ class LengthModel:
 
     def _update(self, node: _Node, length: int, censored: bool) -> None:
         node.hist._add(length, censored)
-        qualified = node.hist.event_weight >= self._min_samples
+        qualified = node.hist.event_weight >= self._threshold
         if qualified != node.qualified:
             node.qualified = qualified
             self._epoch += 1

@@ -367,18 +367,11 @@ class _Builder:
         """``u``: six uniforms (tenant, sampling, stops, durable, continue, abandon)."""
         s = self.s
         prompt_c = prompt if prompt <= self.max_prompt else self.max_prompt
-        if interactive:
-            service_class, max_tokens, deadline, durable = (
-                "interactive",
-                s.interactive_max_tokens,
-                None,
-                False,
-            )
-            abandons = u[5] < s.abandon_share
-        else:
-            service_class, max_tokens, deadline = "batch", s.batch_max_tokens, s.batch_deadline_s
-            durable = u[3] < s.durable_share
-            abandons = False
+        service_class = "interactive" if interactive else "batch"
+        max_tokens = s.interactive_max_tokens if interactive else s.batch_max_tokens
+        deadline = None if interactive else s.batch_deadline_s
+        durable = (not interactive) and u[3] < s.durable_share  # only batch work is durable
+        abandons = interactive and u[5] < s.abandon_share  # only interactive callers leave
         hard_max = min(max_tokens, s.model_max_len - prompt_c)
         spec = RequestSpec(
             prompt_tokens=prompt_c,

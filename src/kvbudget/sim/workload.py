@@ -356,7 +356,7 @@ def read_azure_csv(path: str | Path, *, limit: int | None = None) -> Workload:
         width = max(i_ts, i_ctx, i_gen) + 1
         no = 1
         for row in reader:
-            no = reader.line_num + 1
+            no = reader.line_num
             if not row or (len(row) == 1 and not row[0].strip()):
                 continue
             if len(row) < width:

@@ -1,0 +1,195 @@
+"""Tests for kvbudget.core.cost: the step-time model and its online fit."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbudget.core.cost import DEFAULT_STEP_TIME, CostModel, StepTimeModel
+from kvbudget.errors import InvalidInput
+
+TRUE = StepTimeModel(
+    fixed_s=0.02, per_seq_s=5e-5, per_context_token_s=4e-7, prefill_per_token_s=1e-4
+)
+
+
+def test_step_time_model_formula() -> None:
+    m = StepTimeModel(
+        fixed_s=0.01, per_seq_s=0.001, per_context_token_s=1e-6, prefill_per_token_s=2e-5
+    )
+    assert m.decode_time(4, 1000) == pytest.approx(0.01 + 0.004 + 0.001)
+    assert m.decode_time(0, 0) == 0.0
+    assert m.prefill_time(1000) == pytest.approx(0.02)
+    assert m.prefill_time(0) == 0.0
+
+
+def test_default_is_the_cited_measurement() -> None:
+    d = DEFAULT_STEP_TIME
+    # LMDeploy llama2-7b on A100-80G: batch 1 decode ~10 ms per token; batch 32 with 2048-token
+    # prompts and 128 output tokens: p50 31 ms; 2048-token prefill at batch 1: 139 ms.
+    assert d.decode_time(1, 200) == pytest.approx(0.0096, abs=0.001)
+    assert d.decode_time(32, 32 * (2048 + 64)) == pytest.approx(0.031, abs=0.002)
+    assert d.fixed_s + d.prefill_time(2048) == pytest.approx(0.139, abs=0.01)
+
+
+def test_no_observations_equals_prior_exactly() -> None:
+    for prior in (DEFAULT_STEP_TIME, TRUE):
+        cm = CostModel(prior)
+        assert cm.current() is prior
+        for b, c in [(1, 0), (7, 12345), (256, 1_000_000)]:
+            assert cm.predict_decode(b, c) == prior.decode_time(b, c)
+        assert cm.predict_prefill(4096) == prior.prefill_time(4096)
+
+
+def test_recovers_known_coefficients_from_noiseless_steps() -> None:
+    rng = random.Random(1)
+    cm = CostModel(DEFAULT_STEP_TIME, forgetting=0.99)
+    for _ in range(600):
+        b = rng.randint(1, 128)
+        c = b * rng.randint(10, 4000)
+        cm.observe_decode(b, c, TRUE.decode_time(b, c))
+    for _ in range(300):
+        t = rng.randint(1, 8192)
+        cm.observe_prefill(t, TRUE.prefill_time(t))
+    cur = cm.current()
+    assert cur.fixed_s == pytest.approx(TRUE.fixed_s, rel=1e-3)
+    assert cur.per_seq_s == pytest.approx(TRUE.per_seq_s, rel=1e-2)
+    assert cur.per_context_token_s == pytest.approx(TRUE.per_context_token_s, rel=1e-3)
+    assert cur.prefill_per_token_s == pytest.approx(TRUE.prefill_per_token_s, rel=1e-3)
+    assert cm.predict_decode(64, 64 * 1000) == pytest.approx(TRUE.decode_time(64, 64_000), rel=1e-3)
+    assert cm.decode_observations == 600 and cm.prefill_observations == 300
+
+
+def test_tracks_a_change_with_forgetting() -> None:
+    rng = random.Random(2)
+    cm = CostModel(TRUE, forgetting=0.95)
+    slower = StepTimeModel(
+        fixed_s=0.04, per_seq_s=1e-4, per_context_token_s=8e-7, prefill_per_token_s=2e-4
+    )
+    for _ in range(400):
+        b = rng.randint(1, 64)
+        c = b * rng.randint(10, 2000)
+        cm.observe_decode(b, c, slower.decode_time(b, c))
+    assert cm.predict_decode(32, 32_000) == pytest.approx(slower.decode_time(32, 32_000), rel=1e-3)
+
+
+def test_degenerate_same_batch_size_is_robust() -> None:
+    rng = random.Random(3)
+    cm = CostModel(DEFAULT_STEP_TIME)
+    for _ in range(5000):
+        c = rng.randint(1000, 100_000)
+        cm.observe_decode(8, c, TRUE.decode_time(8, c))
+    cur = cm.current()
+    for v in (cur.fixed_s, cur.per_seq_s, cur.per_context_token_s):
+        assert math.isfinite(v) and v >= 0.0
+    # Exact where observed ...
+    assert cm.predict_decode(8, 50_000) == pytest.approx(TRUE.decode_time(8, 50_000), rel=1e-3)
+    # ... and bounded elsewhere (no wind-up into absurd values).
+    for b in (1, 64, 256):
+        p = cm.predict_decode(b, 50_000)
+        assert 0.0 < p < 1.0
+
+
+def test_degenerate_identical_steps() -> None:
+    cm = CostModel(DEFAULT_STEP_TIME)
+    for _ in range(10_000):
+        cm.observe_decode(4, 4000, 0.015)
+    assert cm.predict_decode(4, 4000) == pytest.approx(0.015, rel=1e-6)
+    cur = cm.current()
+    assert all(math.isfinite(v) and v >= 0 for v in attrs_values(cur))
+
+
+def attrs_values(m: StepTimeModel) -> list[float]:
+    return [m.fixed_s, m.per_seq_s, m.per_context_token_s, m.prefill_per_token_s]
+
+
+def test_coefficients_clamped_non_negative() -> None:
+    cm = CostModel(DEFAULT_STEP_TIME)
+    # Step times that fall with batch size would need a negative per_seq_s.
+    for i in range(500):
+        b = 1 + i % 64
+        cm.observe_decode(b, 1000, max(0.0, 0.05 - 0.0007 * b))
+    cur = cm.current()
+    assert all(v >= 0.0 for v in attrs_values(cur))
+    cm.observe_prefill(100, 0.0)
+    assert cm.current().prefill_per_token_s >= 0.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 512), st.integers(0, 2_000_000), st.floats(0.0, 10.0)),
+        min_size=1,
+        max_size=50,
+    )
+)
+def test_any_observations_keep_a_valid_model(steps: list[tuple[int, int, float]]) -> None:
+    cm = CostModel()
+    for b, c, s in steps:
+        cm.observe_decode(b, c, s)
+    cur = cm.current()  # StepTimeModel validates: finite and >= 0
+    assert all(math.isfinite(v) and v >= 0.0 for v in attrs_values(cur))
+    assert cm.predict_decode(1, 0) >= 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"fixed_s": -1.0}, "fixed_s"),
+        ({"per_seq_s": float("nan")}, "per_seq_s"),
+        ({"per_context_token_s": float("inf")}, "per_context_token_s"),
+        ({"prefill_per_token_s": "fast"}, "prefill_per_token_s"),
+        ({"fixed_s": True}, "fixed_s"),
+    ],
+)
+def test_step_time_model_validation(kwargs: dict[str, object], field: str) -> None:
+    base: dict[str, object] = {
+        "fixed_s": 0.01,
+        "per_seq_s": 0.0,
+        "per_context_token_s": 0.0,
+        "prefill_per_token_s": 0.0,
+    }
+    base.update(kwargs)
+    with pytest.raises(InvalidInput) as exc:
+        StepTimeModel(**base)
+    assert exc.value.field == field
+
+
+def test_step_time_model_stores_floats() -> None:
+    m = StepTimeModel(fixed_s=0, per_seq_s=0, per_context_token_s=0, prefill_per_token_s=1)
+    assert isinstance(m.fixed_s, float) and isinstance(m.prefill_per_token_s, float)
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda cm: cm.observe_decode(0, 10, 0.01), "batch_size"),
+        (lambda cm: cm.observe_decode(1, -1, 0.01), "context_tokens"),
+        (lambda cm: cm.observe_decode(1, 1, -0.01), "step_s"),
+        (lambda cm: cm.observe_decode(1, 1, float("nan")), "step_s"),
+        (lambda cm: cm.observe_prefill(0, 0.01), "tokens"),
+        (lambda cm: cm.observe_prefill(10, float("inf")), "seconds"),
+        (lambda cm: cm.predict_decode(-1, 0), "batch_size"),
+        (lambda cm: cm.predict_prefill(-5), "tokens"),
+    ],
+)
+def test_cost_model_invalid_inputs(call: object, field: str) -> None:
+    cm = CostModel()
+    with pytest.raises(InvalidInput) as exc:
+        call(cm)  # type: ignore[operator]
+    assert exc.value.field == field
+
+
+@pytest.mark.parametrize("forgetting", [0.0, -0.5, 1.5, float("nan")])
+def test_cost_model_invalid_forgetting(forgetting: float) -> None:
+    with pytest.raises(InvalidInput, match="forgetting"):
+        CostModel(forgetting=forgetting)
+
+
+def test_cost_model_invalid_prior() -> None:
+    with pytest.raises(InvalidInput, match="prior"):
+        CostModel("llama")  # type: ignore[arg-type]
