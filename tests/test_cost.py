@@ -193,3 +193,14 @@ def test_cost_model_invalid_forgetting(forgetting: float) -> None:
 def test_cost_model_invalid_prior() -> None:
     with pytest.raises(InvalidInput, match="prior"):
         CostModel("llama")  # type: ignore[arg-type]
+
+
+def test_noisy_observations_are_averaged() -> None:
+    rng = random.Random(9)
+    cm = CostModel(DEFAULT_STEP_TIME, forgetting=0.999)
+    for _ in range(4000):
+        b = rng.randint(1, 128)
+        c = b * rng.randint(10, 4000)
+        cm.observe_decode(b, c, max(0.0, TRUE.decode_time(b, c) + rng.gauss(0.0, 0.002)))
+    for b, c in [(1, 100), (32, 32_000), (128, 400_000)]:
+        assert cm.predict_decode(b, c) == pytest.approx(TRUE.decode_time(b, c), abs=5e-4)

@@ -82,6 +82,18 @@ _INSTALL_HINT = (
 )
 
 
+_WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work "
+    "week case point government company number group problem fact be have do say get make "
+    "go know take see come think look want give use find tell ask seem feel try leave call "
+    "good new first last long great little own other old right big high different small "
+    "large next early young important few public bad same able to of in for on with at by "
+    "from up about into over after the and a that I it not he as you this but his they her "
+    "she or an will my one all would there their what so if when which them can no out "
+    "memory cache block token request budget engine queue latency stream batch grant model"
+)
+
+
 def _corpus() -> list[str]:
     """A small, deterministic English-ish corpus: enough text for a few hundred BPE merges."""
     paragraphs = [
@@ -96,26 +108,21 @@ def _corpus() -> list[str]:
         "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.",
         "Once upon a time there was a small model that could only say random words.",
         "def main():\n    print('hello world')\n    return 0\n",
-        "import asyncio\n\nasync def run(n: int) -> list[int]:\n    return [i * i for i in range(n)]\n",
+        "import asyncio\n\nasync def run(n: int) -> list[int]:\n"
+        "    return [i * i for i in range(n)]\n",
         '{"role": "user", "content": "Summarise the report in three sentences."}',
         "You are a helpful assistant. Answer briefly and precisely.",
     ]
-    words = (
-        "time person year way day thing man world life hand part child eye woman place work "
-        "week case point government company number group problem fact be have do say get make "
-        "go know take see come think look want give use find tell ask seem feel try leave call "
-        "good new first last long great little own other old right big high different small "
-        "large next early young important few public bad same able to of in for on with at by "
-        "from up about into over after the and a that I it not he as you this but his they her "
-        "she or an will my one all would there their what so if when which them can no out "
-        "memory cache block token request budget engine queue latency stream batch grant model"
-    ).split()
+    words = _WORDS.split()
     lines = list(paragraphs)
     n = len(words)
     for i in range(400):
-        a, b, c, d = words[i % n], words[(7 * i + 3) % n], words[(13 * i + 5) % n], words[
-            (29 * i + 11) % n
-        ]
+        a, b, c, d = (
+            words[i % n],
+            words[(7 * i + 3) % n],
+            words[(13 * i + 5) % n],
+            words[(29 * i + 11) % n],
+        )
         lines.append(f"{a.capitalize()} {b} {c} {d}, {i} and {i * 37 % 1000}.")
     return lines
 
