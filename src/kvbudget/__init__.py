@@ -5,6 +5,7 @@ protected interactive streams, preemptible batch work with its cost visible, rel
 engine's confirmation, and early "overloaded" for callers the queue cannot serve in time.
 """
 
+from kvbudget.budget import Budget, GenerationResult, GenerationStep, Lease, ShellCounters
 from kvbudget.core.model import (
     BATCH,
     DEFAULT_CLASSES,
@@ -47,6 +48,7 @@ __all__ = [
     "INTERACTIVE",
     "POLICY_NAMES",
     "AlreadyReleased",
+    "Budget",
     "BudgetClosed",
     "CalibratedPolicy",
     "Capacity",
@@ -57,11 +59,14 @@ __all__ = [
     "EngineDead",
     "EngineError",
     "EngineStalled",
+    "GenerationResult",
+    "GenerationStep",
     "GrantExceeded",
     "HardLimitExceeded",
     "InvalidInput",
     "InvalidTransition",
     "KvBudgetError",
+    "Lease",
     "Overloaded",
     "Policy",
     "PolicyViolation",
@@ -70,6 +75,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "ServiceClass",
+    "ShellCounters",
     "Snapshot",
     "UnknownClass",
     "UnknownPolicy",

@@ -36,6 +36,7 @@ prefill_time(p)``.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Final
 
 import attrs
@@ -195,26 +196,49 @@ class CostModel:
 
     def observe_decode(self, batch_size: int, context_tokens: int, step_s: float) -> None:
         """Fit one observed decode step: ``batch_size`` >= 1 sequences took ``step_s`` seconds."""
-        check_int("batch_size", batch_size, minimum=1)
-        check_int("context_tokens", context_tokens, minimum=0)
-        y = check_float("step_s", step_s, minimum=0.0) * _Y
-        x = (1.0, batch_size / _B, context_tokens / _C)
+        if not (
+            batch_size.__class__ is int
+            and context_tokens.__class__ is int
+            and step_s.__class__ is float
+            and batch_size >= 1
+            and context_tokens >= 0
+            and 0.0 <= step_s < math.inf
+        ):  # the checks, skipped on the common path (this runs once per engine step)
+            check_int("batch_size", batch_size, minimum=1)
+            check_int("context_tokens", context_tokens, minimum=0)
+            check_float("step_s", step_s, minimum=0.0)
+        y = float(step_s) * _Y
+        x1 = batch_size / _B
+        x2 = context_tokens / _C
         lam = self._forgetting
         p = self._p
+        p0, p1, p2 = p
         th = self._theta
-        px = [p[i][0] * x[0] + p[i][1] * x[1] + p[i][2] * x[2] for i in range(3)]
-        denom = lam + x[0] * px[0] + x[1] * px[1] + x[2] * px[2]
-        k = [v / denom for v in px]
-        err = y - (th[0] * x[0] + th[1] * x[1] + th[2] * x[2])
-        for i in range(3):
-            th[i] = max(0.0, th[i] + k[i] * err)
+        # unrolled 3x3 RLS step (x0 = 1); same operations, in the same order, as the loop form
+        px0 = p0[0] * 1.0 + p0[1] * x1 + p0[2] * x2
+        px1 = p1[0] * 1.0 + p1[1] * x1 + p1[2] * x2
+        px2 = p2[0] * 1.0 + p2[1] * x1 + p2[2] * x2
+        denom = lam + 1.0 * px0 + x1 * px1 + x2 * px2
+        k0 = px0 / denom
+        k1 = px1 / denom
+        k2 = px2 / denom
+        err = y - (th[0] * 1.0 + th[1] * x1 + th[2] * x2)
+        th[0] = max(0.0, th[0] + k0 * err)
+        th[1] = max(0.0, th[1] + k1 * err)
+        th[2] = max(0.0, th[2] + k2 * err)
         # P <- (P - k (P x)^T) / lam, kept symmetric.
-        for i in range(3):
-            for j in range(i, 3):
-                v = (p[i][j] - k[i] * px[j]) / lam
-                p[i][j] = v
-                p[j][i] = v
-        trace = p[0][0] + p[1][1] + p[2][2]
+        v = (p0[0] - k0 * px0) / lam
+        p0[0] = v
+        v = (p0[1] - k0 * px1) / lam
+        p0[1] = p1[0] = v
+        v = (p0[2] - k0 * px2) / lam
+        p0[2] = p2[0] = v
+        v = (p1[1] - k1 * px1) / lam
+        p1[1] = v
+        v = (p1[2] - k1 * px2) / lam
+        p1[2] = p2[1] = v
+        p2[2] = (p2[2] - k2 * px2) / lam
+        trace = p0[0] + p1[1] + p2[2]
         if trace > _TRACE_MAX:
             f = _TRACE_MAX / trace
             for i in range(3):

@@ -42,7 +42,9 @@ class Blocked(enum.Enum):
 class Policy(Protocol):
     """The decisions of a budget policy. See :class:`BasePolicy` for the defaults."""
 
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only: shipped policies set it as a ClassVar
+
     requeue_front: bool
     preempt_for_admission: bool
 
@@ -205,7 +207,7 @@ class CalibratedPolicy(BasePolicy):
         return min(room, want)
 
     def on_blocked(self, req: Request) -> Blocked:
-        if req.cls.protected and any(self._eligible(req, r) for r in self._s.requests.values()):
+        if req.cls.protected and any(self._eligible(req, r) for r in self._s.live.values()):
             return Blocked.PREEMPT_OTHERS
         return Blocked.CONTINUE if req.spec.on_exhausted == "continue" else Blocked.WAIT
 
@@ -389,18 +391,16 @@ class PastFuturePolicy(ReserveCurrentPolicy):
     def admit(self, req: Request, blocks: int) -> bool:
         from kvbudget.core.ledger import State
 
-        live = [
-            r
-            for r in self._s.requests.values()
-            if r.state in (State.ADMITTED, State.RUNNING, State.EXTENDING)
-        ]
+        live = list(self._s.live.values())
         live.append(req)
         n = len(live)
         k = min(5, self.window.maxlen // n + 1 if self.window.maxlen else 1)
         limit = self.threshold * self._s.capacity.tokens
-        held_elsewhere = sum(
-            r.blocks for r in self._s.requests.values() if r.state.value in ("releasing", "preempting")
-        ) * self.block_size
+        stopped = (State.RELEASING, State.PREEMPTING)
+        held_elsewhere = (
+            sum(r.blocks for r in self._s.requests.values() if r.state in stopped)
+            * self.block_size
+        )
         for _ in range(k):
             futures = sorted(
                 (self._sample(r.generated, r.hard_max) - r.generated, r.prompt + r.generated)
@@ -471,7 +471,7 @@ def make_policy(name: str, **kwargs: object) -> Policy:
         cls = POLICIES[name]
     except KeyError:
         raise UnknownPolicy(name, POLICY_NAMES) from None
-    policy: Policy = cls(**kwargs)  # type: ignore[arg-type]
+    policy: Policy = cls(**kwargs)
     return policy
 
 

@@ -62,6 +62,9 @@ if TYPE_CHECKING:
 
 _NOTHING: tuple[ev.Action, ...] = ()
 _LIVE = (State.ADMITTED, State.RUNNING, State.EXTENDING)
+# module-level aliases: enum attribute look-ups are slow on the per-token path
+_ADMITTED, _RUNNING, _EXTENDING = State.ADMITTED, State.RUNNING, State.EXTENDING
+_RELEASING, _PREEMPTING = State.RELEASING, State.PREEMPTING
 
 
 @attrs.frozen(slots=True)
@@ -195,6 +198,12 @@ class Scheduler:
         self._queues: dict[str, _ClassQueue] = {name: _ClassQueue() for name in self.classes}
         self._class_order = sorted(self.classes.values(), key=lambda c: (c.priority, c.name))
         self._waiting_ext: dict[str, Request] = {}
+        # stopped requests awaiting confirmation, and a lower bound on when a queued request can
+        # expire: they keep tick() from walking every request and every queue on each call
+        self._stopping: dict[str, Request] = {}
+        self._expiry_floor: dict[str, float] = dict.fromkeys(self.classes, math.inf)
+        #: requests holding a live grant (admitted, running or extending), in admission order
+        self.live: dict[str, Request] = {}
         self._seq = 0
         self.active = 0  # requests holding a live grant (admitted/running/extending)
         self.releasing = 0  # requests stopped, blocks held until the engine confirms
@@ -276,22 +285,36 @@ class Scheduler:
         now = self._time(now)
         stats = self._stats(cls.name, spec.tenant)
         req = Request(request_id, spec, cls, now, stats)
+        req.want_blocks = self._want_blocks(req)  # may raise PolicyViolation: count after it
         stats.arrived += 1
-        req.want_blocks = self._want_blocks(req)
         if req.want_blocks > self.capacity.blocks - self.ledger.protected_blocks * (
             not cls.protected
         ):
             return [self._reject_new(req, self.config.max_retry_after_s, "too-large")]
         queue = self._queues[cls.name]
-        if queue.count >= self.config.max_queued:
-            return [self._reject_new(req, self._retry_after(req, queue), "queue-full")]
         wait = self._estimated_wait(req)
+        if queue.count >= self.config.max_queued and (queue.count or wait > 0.0):
+            # a full queue turns away callers that would wait, not one admitted at once
+            return [self._reject_new(req, self._retry_after(req, queue), "queue-full")]
         bound = self._wait_bound(req, now)
         if wait > 0.0 and bound is not None and wait > bound:
             return [self._reject_new(req, wait, "deadline")]
         self.requests[request_id] = req
         queue.push(req, self._weight(spec.tenant))
+        self._note_queued(req)
         return self._pump(now)
+
+    def _queue_expiry(self, req: Request) -> float:
+        """When a queued request is turned away (a checkpoint: only its deadline bounds it)."""
+        deadline = req.deadline_at if req.deadline_at is not None else math.inf
+        if req.state is State.CHECKPOINTED or req.cls.max_queue_delay_s is None:
+            return deadline
+        return min(deadline, req.arrival + req.cls.max_queue_delay_s)
+
+    def _note_queued(self, req: Request) -> None:
+        expiry = self._queue_expiry(req)
+        if expiry < self._expiry_floor[req.cls.name]:
+            self._expiry_floor[req.cls.name] = expiry
 
     def _weight(self, tenant: str) -> float:
         return float(self.config.tenant_weights.get(tenant, 1.0))
@@ -369,28 +392,35 @@ class Scheduler:
         if g > req.hard_max:
             raise HardLimitExceeded(request_id, req.hard_max, g)
         state = req.state
-        if g > req.boundary + self.ledger.slack_tokens and state in HOLDING_STATES:
-            raise GrantExceeded(request_id, req.boundary, self.ledger.slack_tokens, g)
-        if state is State.RUNNING:
+        ledger = self.ledger
+        if g > req.boundary + ledger.slack_tokens and state in HOLDING_STATES:
+            raise GrantExceeded(request_id, req.boundary, ledger.slack_tokens, g)
+        if state is _RUNNING:
             pass
-        elif state is State.ADMITTED:
-            req.state = State.RUNNING
+        elif state is _ADMITTED:
+            req.state = _RUNNING
             req.first_token_at = now
-        elif state is State.RELEASING or state is State.PREEMPTING:
+        elif state is _RELEASING or state is _PREEMPTING:
             req.wasted += tokens
             req.stats.wasted_tokens += tokens
-            self.ledger.charge(req, tokens)
+            ledger.charge(req, tokens)
             return _NOTHING
-        elif state is State.EXTENDING:
+        elif state is _EXTENDING:
             pass
         else:
-            self.ledger.check_transition(req, Trigger.TOKENS)
+            ledger.check_transition(req, Trigger.TOKENS)
         last = req.last_token_at
         if last is not None and now - last > req.floor:
             req.stats.stalls += 1
         req.last_token_at = now
         self.active_context += tokens
-        self.ledger.charge(req, tokens)
+        # Ledger.charge, inlined for a live request (this runs once per generated token)
+        req.generated = g
+        ledger.active_generated += tokens
+        used = -(-(req.prompt + g) // ledger.block_size)
+        if used != req.used_blocks:
+            ledger.used += used - req.used_blocks
+            req.used_blocks = used
         req.stats.tokens += tokens
         if (g >= req.ask_at or g > req.boundary) and g < req.hard_max:
             return self._near_boundary(req, now)
@@ -517,18 +547,24 @@ class Scheduler:
     def _stop(self, req: Request, trigger: Trigger, now: float) -> None:
         was_live = req.state in _LIVE
         self.ledger.stop(req, trigger)
-        req.release_started_at = now
+        if was_live:
+            # a new stop: the confirmation clock starts now (a later cancel/fail/finish of a
+            # request already stopping must not restart it), and no earlier stop's flag carries
+            req.release_started_at = now
+            req.unconfirmed = False
         if req.ext_pending:
             req.ext_pending = False
             self._waiting_ext.pop(req.request_id, None)
         if was_live:
             self._leave_active(req)
             self.releasing += 1
+            self._stopping[req.request_id] = req
         elif req.state is State.RELEASING and trigger is not Trigger.PREEMPT:
             self.preempting -= 1  # a preempted request stopped for good before its confirmation
 
     def _leave_active(self, req: Request) -> None:
         self.active -= 1
+        del self.live[req.request_id]
         self.active_context -= req.prompt + req.generated
         self.policy.on_leave(req)
         n = self._active_by_floor[req.floor] - 1
@@ -539,6 +575,7 @@ class Scheduler:
 
     def _enter_active(self, req: Request) -> None:
         self.active += 1
+        self.live[req.request_id] = req
         self.active_context += req.prompt + req.generated
         self._active_by_floor[req.floor] = self._active_by_floor.get(req.floor, 0) + 1
 
@@ -553,6 +590,7 @@ class Scheduler:
     def _release(self, req: Request, now: float, actions: list[ev.Action]) -> list[ev.Action]:
         preempting = req.state is State.PREEMPTING
         freed = self.ledger.release(req)
+        self._stopping.pop(req.request_id, None)
         self.releasing -= 1
         if preempting:
             self.preempting -= 1
@@ -562,8 +600,24 @@ class Scheduler:
             req.resume = req.checkpoint()
             req.requeue_front = self.policy.requeue_front
             req.want_blocks = self._want_blocks(req)
-            self._queues[req.cls.name].push(req, self._weight(req.spec.tenant), front=req.requeue_front)
             actions.append(ev.Released(req.request_id, freed, "preempted", resumable=True))
+            room = self.capacity.blocks - (0 if req.cls.protected else self.ledger.protected_blocks)
+            if req.want_blocks > room:
+                # it grew past what the cache can ever hold again: it cannot resume, and queued
+                # it would block its class until its deadline. End it explicitly.
+                self.ledger.transition(req, Trigger.EXPIRE)
+                req.outcome = Outcome.FAILED
+                req.stats.failed += 1
+                req.stats.wasted_tokens += req.generated
+                self._forget(req)
+                actions.append(
+                    ev.Reject(req.request_id, self.config.max_retry_after_s, "too-large")
+                )
+            else:
+                self._queues[req.cls.name].push(
+                    req, self._weight(req.spec.tenant), front=req.requeue_front
+                )
+                self._note_queued(req)
         else:
             if req.outcome is Outcome.COMPLETED:
                 req.stats.completed += 1
@@ -598,9 +652,17 @@ class Scheduler:
     def observe_step(
         self, batch_size: int, context_tokens: int, seconds: float, now: float
     ) -> list[ev.Action]:
-        check_int("batch_size", batch_size, minimum=0)
-        check_int("context_tokens", context_tokens, minimum=0)
-        check_float("seconds", seconds)
+        if not (
+            batch_size.__class__ is int
+            and context_tokens.__class__ is int
+            and seconds.__class__ is float
+            and batch_size >= 0
+            and context_tokens >= 0
+            and 0.0 <= seconds < math.inf
+        ):  # the checks below, skipped on the common path (once per engine step)
+            check_int("batch_size", batch_size, minimum=0)
+            check_int("context_tokens", context_tokens, minimum=0)
+            check_float("seconds", seconds)
         self._time(now)
         if batch_size > 0:
             self.cost.observe_decode(batch_size, context_tokens, seconds)
@@ -613,16 +675,25 @@ class Scheduler:
         actions: list[ev.Action] = []
         for cls in self._class_order:
             queue = self._queues[cls.name]
-            if not queue.count:
+            # nothing queued can have expired before the earliest expiry seen (margin: rounding)
+            if not queue.count or now < self._expiry_floor[cls.name] - 1e-6:
                 continue
             expired = []
+            floor = math.inf
+            delay = cls.max_queue_delay_s
+            checkpointed = State.CHECKPOINTED
             for req in queue:
-                limit = self._wait_bound(req, req.arrival)
-                if req.state is State.CHECKPOINTED:
-                    if req.deadline_at is not None and now > req.deadline_at:
-                        expired.append(req)
-                elif limit is not None and now - req.arrival > limit:
+                # inline _queue_expiry: this walks the whole queue
+                expiry = req.deadline_at if req.deadline_at is not None else math.inf
+                if delay is not None and req.state is not checkpointed:
+                    by_delay = req.arrival + delay
+                    if by_delay < expiry:
+                        expiry = by_delay
+                if now > expiry:
                     expired.append(req)
+                elif expiry < floor:
+                    floor = expiry
+            self._expiry_floor[cls.name] = floor
             for req in expired:
                 self._dequeue(req)
                 if req.state is State.CHECKPOINTED:
@@ -642,7 +713,7 @@ class Scheduler:
                         ev.Reject(req.request_id, self._retry_after(req), "queue-timeout")
                     )
         timeout = self.config.confirm_timeout_s
-        for req in list(self.requests.values()):
+        for req in list(self._stopping.values()):
             if (
                 req.state in (State.RELEASING, State.PREEMPTING)
                 and not req.unconfirmed
@@ -658,8 +729,8 @@ class Scheduler:
         """Compare the engine's KV usage with the ledger; free unconfirmed stops it no longer holds.
 
         Requests that still run account for their used blocks; whatever the engine holds beyond
-        that belongs to stopped-but-unconfirmed requests. The oldest unconfirmed stops whose
-        blocks the engine cannot still be holding are released.
+        that may belong to stopped requests. An unconfirmed stop that uses more blocks than that
+        cannot still be held by the engine, and is released.
         """
         check_int("engine_used_blocks", engine_used_blocks, minimum=0)
         now = self._time(now)
@@ -675,17 +746,18 @@ class Scheduler:
         if drift != 0:
             self._stats("*", "*").drift_events += 1
         phantom = max(0, engine_used_blocks - running_used)
-        # the newest stops are the likeliest to still be held by the engine
+        # At most ``phantom`` blocks can belong to stopped requests. The engine frees a request's
+        # blocks all at once and, while it holds them, holds at least the ledger's ``used_blocks``
+        # for it, so an unconfirmed stop with more used blocks than ``phantom`` is provably free.
+        # (Releasing "the oldest" stops instead could free one the engine still holds.)
         candidates = sorted(
             (r for r in stopped if r.unconfirmed), key=lambda r: r.release_started_at or 0.0
         )
-        still_held = sum(r.used_blocks for r in stopped if not r.unconfirmed)
         actions: list[ev.Action] = []
         for req in candidates:
-            if still_held + sum(r.used_blocks for r in candidates if r.state in HOLDING_STATES) <= phantom:
-                break
-            req.stats.reconciled += 1
-            self._release(req, now, actions)
+            if req.state in HOLDING_STATES and req.used_blocks > phantom:
+                req.stats.reconciled += 1
+                self._release(req, now, actions)
         return actions
 
     # == the pump ==================================================================================
@@ -781,9 +853,10 @@ class Scheduler:
             floor = 0 if req.cls.protected else self.ledger.protected_blocks
             need = self.ledger.grant_blocks(req, boundary) - req.blocks
             need = max(1, need - (self.ledger.free - floor))
-            candidates = [r for r in self.requests.values() if r.state in _LIVE]
+            # a request at its hard max is finishing; its checkpoint could never resume
+            candidates = [r for r in self.live.values() if r.generated < r.hard_max]
             for victim in self.policy.choose_victims(req, need, candidates):
-                if victim.state not in _LIVE:
+                if victim.state not in _LIVE or victim.generated >= victim.hard_max:
                     raise PolicyViolation(
                         self.policy.name, f"victim {victim.request_id!r} is not running"
                     )
@@ -846,7 +919,10 @@ class Scheduler:
                 blocks = self.ledger.grant_blocks(req, boundary)
                 ok = (
                     self.ledger.fits_admission(blocks)
-                    and self.policy.admit(req, blocks)
+                    and (
+                        self.policy.admit(req, blocks)
+                        or (self.active == 0 and self.releasing == 0)
+                    )
                     and (
                         self.active == 0
                         or self._within_floor(1, req.prompt + req.generated + allowance)
@@ -864,11 +940,23 @@ class Scheduler:
     ) -> None:
         if self.preempting:
             return  # room is already on its way back; do not preempt twice for one head
+        bound = self._wait_bound(req, req.arrival)
+        if bound is not None and self._release_rate(now) > 0.0:
+            # checkpoint others only at the last responsible moment: while the blocks released
+            # at the recent rate would still admit the head in time (its queue bound, less its
+            # prefill), a preemption would only trade the victim's recompute for nothing. With
+            # no release seen yet there is no evidence that blocks will come back: preempt.
+            slack = bound - (now - req.arrival) - self.cost.predict_prefill(req.context_tokens)
+            deficit = blocks - (self.ledger.free - self.ledger.headroom_target)
+            if slack > 0.0 and deficit / self._release_rate(now) <= slack:
+                return
         need = blocks - (self.ledger.free - self.ledger.headroom_target)
-        candidates = [r for r in self.requests.values() if r.state in _LIVE and r.cls.preemptible]
+        candidates = [
+            r for r in self.live.values() if r.cls.preemptible and r.generated < r.hard_max
+        ]
         victims = self.policy.choose_victims(req, need, candidates)
         for victim in victims:
-            if victim is req or victim.state not in _LIVE:
+            if victim is req or victim.state not in _LIVE or victim.generated >= victim.hard_max:
                 raise PolicyViolation(self.policy.name, "admission victims must be running requests")
             self._preempt(victim, now, actions, reason=f"admit:{req.request_id}")
 
@@ -895,8 +983,10 @@ class Scheduler:
 
     def _ensure_progress(self, now: float, actions: list[ev.Action]) -> None:
         """If everyone waits at a boundary and nothing will free blocks, checkpoint one."""
-        for req in self.requests.values():
-            if req.state in (State.ADMITTED, State.RUNNING, State.PREEMPTING, State.RELEASING):
+        if self._stopping:
+            return  # a stopped request will return its blocks
+        for req in self.live.values():
+            if req.state is not State.EXTENDING:
                 return
         stuck = [r for r in self._waiting_ext.values() if r.state is State.EXTENDING]
         if not stuck:
@@ -931,6 +1021,12 @@ class Scheduler:
         """Assert the ledger invariants (used by the property harness and in debugging)."""
         self.ledger.check(list(self.requests.values()))
         assert self.active == sum(1 for r in self.requests.values() if r.state in _LIVE)
+        assert set(self.live) == {r.request_id for r in self.requests.values() if r.state in _LIVE}
+        assert set(self._stopping) == {
+            r.request_id
+            for r in self.requests.values()
+            if r.state in (State.RELEASING, State.PREEMPTING)
+        }
 
 
 __all__ = ["Scheduler", "SchedulerConfig"]

@@ -1,0 +1,501 @@
+"""An OpenAI-compatible HTTP server over :class:`kvbudget.vllm.BudgetedEngine` (FastAPI).
+
+Run it (the tiny test model makes it work on a laptop; the engine start takes ~20 s)::
+
+    python examples/fastapi_server.py --model /tmp/tiny --build-tiny-model --port 8000
+
+Endpoints:
+
+* ``POST /v1/completions`` and ``POST /v1/chat/completions``: streaming (server-sent events,
+  ``data: {...}\\n\\n`` … ``data: [DONE]\\n\\n``) and not; the official ``openai`` client works.
+* ``GET /v1/models``; ``GET /health``.
+* ``GET /metrics``: the budget in Prometheus text format (``kvbudget_*`` names, see
+  ``docs/operations.md``); ``GET /kvbudget/snapshot``: the budget snapshot as JSON (what
+  ``kvbudget inspect URL`` prints).
+
+Budget headers (all optional): ``X-KVBudget-Class`` (service class, default ``interactive``),
+``X-KVBudget-Tenant`` (default ``default``), ``X-KVBudget-Task``, ``X-KVBudget-Durable: 1`` (the
+request keeps running if the client goes away), ``X-KVBudget-Deadline`` (seconds),
+``X-KVBudget-On-Exhausted: continue`` (end with a continuation rather than wait for the grant to
+grow).
+
+Behaviour this example owns:
+
+* overload -> HTTP 429, ``Retry-After`` (whole seconds, rounded up), ``retry-after-ms``, and an
+  OpenAI-style error body (``{"error": {"type": "overloaded", "code": "rate_limit_exceeded",
+  ...}}``); the openai client raises ``openai.RateLimitError``;
+* a client that disconnects mid-stream -> the engine generator is closed, which aborts the engine
+  request; its KV returns to the budget when the engine confirms (watch ``reserved_blocks`` in
+  ``/kvbudget/snapshot``);
+* a request that ends with a continuation -> its final chunk (or response) has
+  ``finish_reason: "continuation"`` and ``kvbudget: {"continuation_id", "generated_tokens",
+  "remaining_tokens"}``; ``finish_reason: "length"`` only ever means the hard maximum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import pathlib
+import sys
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import _common  # the examples directory is not a package
+
+import kvbudget
+import kvbudget.errors
+from kvbudget.observability import PrometheusExporter, snapshot_to_dict
+
+log = logging.getLogger("kvbudget.examples.fastapi")
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def error_response(
+    status: int, message: str, type_: str, code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """An OpenAI-style error body."""
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def overloaded_response(exc: kvbudget.Overloaded) -> JSONResponse:
+    return error_response(
+        429,
+        f"the server is overloaded ({exc.reason}); retry after {exc.retry_after:.2f}s",
+        "overloaded",
+        "rate_limit_exceeded",
+        headers={
+            "Retry-After": str(_common.retry_after_seconds(exc.retry_after)),
+            "retry-after-ms": str(_common.retry_after_ms(exc.retry_after)),
+        },
+    )
+
+
+def exception_response(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, kvbudget.Overloaded):
+        return overloaded_response(exc)
+    if isinstance(exc, _common.BadRequest | kvbudget.InvalidInput | kvbudget.errors.UnknownName):
+        return error_response(400, str(exc), "invalid_request_error")
+    if type(exc).__name__ in ("VLLMValidationError", "ValueError"):  # vLLM's own validation
+        return error_response(400, str(exc), "invalid_request_error")
+    if isinstance(exc, kvbudget.EngineError):
+        return error_response(500, str(exc), "engine_error", "engine_error")
+    return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    body: dict[str, Any] = json.loads(bytes(exception_response(exc).body))
+    return body
+
+
+# -- one generation, as a sequence of events --------------------------------------------------
+
+
+@dataclass
+class Delta:
+    text: str
+    tokens: int
+
+
+@dataclass
+class Finish:
+    reason: str
+    generated: int
+    kvbudget: dict[str, Any] | None = None
+
+
+async def run_generation(
+    engine: Any, prompt_ids: list[int], sampling: Any, request_id: str,
+    opts: _common.RequestOptions,
+) -> AsyncGenerator[Delta | Finish, None]:
+    """Drive ``engine.generate`` and turn its ``RequestOutput``s into deltas and one finish.
+
+    Closing this generator closes the engine's generator, which aborts the engine request (unless
+    the request is durable). Overloaded/EngineError propagate; a continuation becomes a Finish.
+    """
+    from vllm import TokensPrompt
+
+    generated = 0
+    sink = _durable_sink if opts.durable else None
+    stream = engine.generate(
+        TokensPrompt(prompt_token_ids=prompt_ids), sampling, request_id, sink=sink,
+        **opts.kwargs(),
+    )
+    try:
+        async for out in stream:
+            comp = out.outputs[0]
+            n = len(comp.token_ids)
+            generated += n
+            if n or comp.text:
+                yield Delta(comp.text, n)
+            if out.finished:
+                reason = comp.finish_reason or "stop"
+                if reason == "abort":
+                    raise kvbudget.EngineError(request_id, "the engine aborted the request")
+                yield Finish(reason, generated)
+                return
+    except kvbudget.ContinuationRequired as exc:
+        cont = exc.continuation
+        yield Finish("continuation", cont.generated_tokens, _common.continuation_fields(cont))
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            with anyio.CancelScope(shield=True):
+                await aclose()
+
+
+def _durable_sink(result: Any) -> None:
+    """Where a durable request's result goes when its caller may be gone (here: the log)."""
+    log.info("durable request %s ended: %s", result.request_id, getattr(result, "outcome", "?"))
+
+
+# -- server-sent events with disconnect detection ----------------------------------------------
+
+
+class SSEResponse(Response):
+    """Streams ``chunks`` as server-sent events and watches for the client going away.
+
+    On a disconnect the stream is cancelled and ``chunks`` closed at once (not at the next
+    write, not by the garbage collector), so the engine request is aborted promptly even while
+    the request waits for admission or for its grant to grow.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncGenerator[str, None]) -> None:
+        self.chunks = chunks
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            try:
+                await send(
+                    {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+                )
+                async for chunk in self.chunks:
+                    await send(
+                        {"type": "http.response.body", "body": chunk.encode(), "more_body": True}
+                    )
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:  # uvicorn's ClientDisconnected: the client is gone
+                pass
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self.chunks.aclose()
+                tg.cancel_scope.cancel()
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+# -- the app -----------------------------------------------------------------------------------
+
+
+class Server:
+    """The running engine and what the handlers need from it."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.model = _common.model_name(args)
+        self.engine: Any = None
+        self.tokenizer: Any = None
+        self.exporter: PrometheusExporter | None = None
+        self.max_model_len = 0
+        self.created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        from prometheus_client import CollectorRegistry
+
+        path = _common.prepare_model(self.args)
+        async with _common.running_engine(self.args) as engine:
+            self.tokenizer = _common.load_tokenizer(engine, path)
+            self.engine = engine
+            self.max_model_len = int(engine.max_model_len)
+            # a registry of our own: /metrics shows the budget only (vLLM has its own metrics)
+            self.exporter = PrometheusExporter(engine, registry=CollectorRegistry())
+            print(f"kvbudget example: serving {self.model} on http://{self.args.host}:"
+                  f"{self.args.port}", flush=True)
+            try:
+                yield
+            finally:
+                self.exporter.unregister()
+                self.engine = None
+
+    # -- request parsing -------------------------------------------------------------------------
+
+    def sampling(self, body: dict[str, Any], prompt_len: int, default_max: int | None) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if int(body.get("n") or 1) != 1:
+            raise _common.BadRequest("only n=1 is supported")
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise _common.BadRequest(
+                f"the prompt has {prompt_len} tokens; the model's context is "
+                f"{self.max_model_len}"
+            )
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max))
+        if max_tokens is None:
+            max_tokens = room
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise _common.BadRequest("max_tokens must be an integer >= 1")
+        stop = body.get("stop")
+        kw: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": float(body.get("temperature", 1.0)),
+            "top_p": float(body.get("top_p", 1.0)),
+            "ignore_eos": bool(body.get("ignore_eos", False)),
+            "output_kind": RequestOutputKind.DELTA,
+        }
+        if body.get("seed") is not None:
+            kw["seed"] = int(body["seed"])
+        if stop:
+            kw["stop"] = [stop] if isinstance(stop, str) else list(stop)
+        return SamplingParams(**kw)
+
+    def completion_prompt(self, body: dict[str, Any]) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise _common.BadRequest("prompt must be a string or a list of token ids")
+
+    def chat_prompt(self, body: dict[str, Any]) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _common.BadRequest("messages must be a non-empty list")
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # -- handlers --------------------------------------------------------------------------------
+
+    async def handle(self, request: Request, chat: bool) -> Response:
+        if self.engine is None:
+            return error_response(503, "the engine is not running", "server_error")
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise _common.BadRequest("the body must be a JSON object")
+            opts = _common.options_from_headers(dict(request.headers))
+            ids = self.chat_prompt(body) if chat else self.completion_prompt(body)
+            sampling = self.sampling(body, len(ids), None if chat else 16)
+        except (ValueError, TypeError) as exc:
+            return error_response(400, str(exc), "invalid_request_error")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        events = run_generation(self.engine, ids, sampling, rid, opts)
+        try:  # the first event: admission (or Overloaded) happens here, before any header
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            return error_response(500, "the engine produced nothing", "server_error")
+        except Exception as exc:
+            await events.aclose()
+            return exception_response(exc)
+        fmt = _Format(rid, self.model, chat, len(ids))
+        if body.get("stream"):
+            opts_stream = body.get("stream_options") or {}
+            return SSEResponse(
+                self.stream(events, first, fmt, bool(opts_stream.get("include_usage")))
+            )
+        try:
+            text: list[str] = []
+            finish: Finish | None = None
+            event: Delta | Finish | None = first
+            while event is not None:
+                if isinstance(event, Delta):
+                    text.append(event.text)
+                else:
+                    finish = event
+                event = await anext(events, None)
+        except Exception as exc:
+            return exception_response(exc)
+        finally:
+            await events.aclose()
+        assert finish is not None
+        return JSONResponse(fmt.full("".join(text), finish))
+
+    async def stream(
+        self, events: AsyncGenerator[Delta | Finish, None], first: Delta | Finish,
+        fmt: _Format, include_usage: bool,
+    ) -> AsyncGenerator[str, None]:
+        try:
+            if fmt.chat:
+                yield sse(fmt.chunk(None, "", role=True))
+            event: Delta | Finish | None = first
+            finish: Finish | None = None
+            try:
+                while event is not None:
+                    if isinstance(event, Delta):
+                        yield sse(fmt.chunk(None, event.text))
+                    else:
+                        finish = event
+                        yield sse(fmt.chunk(event, ""))
+                    event = await anext(events, None)
+            except Exception as exc:  # after the headers: report it in the stream
+                yield sse(error_payload(exc))
+            if include_usage and finish is not None:
+                yield sse(fmt.usage_chunk(finish))
+            yield sse("[DONE]")
+        finally:
+            with anyio.CancelScope(shield=True):
+                await events.aclose()
+
+
+class _Format:
+    """OpenAI response shapes for completions and chat completions."""
+
+    def __init__(self, rid: str, model: str, chat: bool, prompt_tokens: int) -> None:
+        self.rid = rid
+        self.model = model
+        self.chat = chat
+        self.prompt_tokens = prompt_tokens
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def usage(self, finish: Finish) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": finish.generated,
+            "total_tokens": self.prompt_tokens + finish.generated,
+        }
+
+    def chunk(self, finish: Finish | None, text: str, role: bool = False) -> dict[str, Any]:
+        reason = finish.reason if finish is not None else None
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choice: dict[str, Any] = {
+                "index": 0, "delta": delta, "logprobs": None, "finish_reason": reason,
+            }
+            out = self._head("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            out = self._head("text_completion")
+        out["choices"] = [choice]
+        if finish is not None and finish.kvbudget is not None:
+            out["kvbudget"] = finish.kvbudget
+        return out
+
+    def usage_chunk(self, finish: Finish) -> dict[str, Any]:
+        out = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        out["choices"] = []
+        out["usage"] = self.usage(finish)
+        return out
+
+    def full(self, text: str, finish: Finish) -> dict[str, Any]:
+        if self.chat:
+            out = self._head("chat.completion")
+            out["choices"] = [{
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish.reason,
+            }]
+        else:
+            out = self._head("text_completion")
+            out["choices"] = [
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish.reason}
+            ]
+        out["usage"] = self.usage(finish)
+        if finish.kvbudget is not None:
+            out["kvbudget"] = finish.kvbudget
+        return out
+
+
+def create_app(args: argparse.Namespace) -> FastAPI:
+    server = Server(args)
+    app = FastAPI(title="kvbudget OpenAI-compatible example", lifespan=server.lifespan)
+    app.state.server = server
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.handle(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{
+                "id": server.model, "object": "model", "created": server.created,
+                "owned_by": "kvbudget", "max_model_len": server.max_model_len,
+            }],
+        }
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = server.engine is not None
+        return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if server.exporter is None:
+            return Response("engine not running\n", status_code=503, media_type="text/plain")
+        body, content_type = server.exporter.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/kvbudget/snapshot")
+    async def snapshot() -> Response:
+        if server.engine is None:
+            return error_response(503, "the engine is not running", "server_error")
+        return JSONResponse(snapshot_to_dict(server.engine.snapshot()))
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser = _common.make_parser("OpenAI-compatible server over kvbudget + vLLM", 8000)
+    parser.add_argument("--log-level", default="warning", help="uvicorn log level")
+    args = parser.parse_args(argv)
+    _common.configure_env()
+    _common.configure_logging()
+    uvicorn.run(
+        create_app(args), host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+    )
+
+
+if __name__ == "__main__":  # required: vLLM's engine core and workers are processes
+    main()

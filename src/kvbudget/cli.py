@@ -1,0 +1,418 @@
+"""The ``kvbudget`` command line (console script ``kvbudget = kvbudget.cli:main``).
+
+This module owns argument parsing and the ``simulate`` subcommand: build a workload (a trace or
+the built-in synthetic one), overlay a scenario, replay it through each policy with the
+discrete-event driver (:mod:`kvbudget.sim.driver`) against the engine model
+(:mod:`kvbudget.sim.engine`), print one table, and optionally write JSON and a PNG
+(:mod:`kvbudget.sim.report`). A text progress bar goes to stderr.
+
+Subcommands are registered in :data:`SUBCOMMANDS` (name -> function that adds its subparser);
+add a new one with :func:`subcommand` -- e.g. ``kvbudget inspect URL`` lives in its own module and
+registers itself there, or is added to :data:`SUBCOMMANDS` below the "other subcommands" marker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import attrs
+
+__all__ = ["SUBCOMMANDS", "build_parser", "main", "subcommand"]
+
+Handler = Callable[[argparse.Namespace], int]
+Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+#: name -> function that adds the subcommand's parser (and sets ``handler`` as its default).
+SUBCOMMANDS: dict[str, Registrar] = {}
+
+
+def subcommand(name: str) -> Callable[[Registrar], Registrar]:
+    """Register a subcommand: the decorated function adds its subparser to ``subparsers``."""
+
+    def register(fn: Registrar) -> Registrar:
+        SUBCOMMANDS[name] = fn
+        return fn
+
+    return register
+
+
+# =============================================================================================
+# kvbudget simulate
+# =============================================================================================
+
+
+class ProgressBar:
+    """A dependency-free text progress bar on a stream (stderr), redrawn at most 10 times/s."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, width: int = 30) -> None:
+        self.total = max(1, total)
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.start = time.perf_counter()
+        self._last = 0.0
+        self.label = ""
+
+    def update(self, done_units: float, label: str = "", force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self._last < 0.1:
+            return
+        self._last = now
+        share = min(1.0, max(0.0, done_units / self.total))
+        filled = round(share * self.width)
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(
+            f"\r[{bar}] {share * 100:5.1f}%  {now - self.start:6.1f}s  {label:<40.40}"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.update(self.total, "done", force=True)
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected numbers separated by commas, got {text!r}"
+        ) from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return v
+
+
+def _share(text: str) -> float:
+    v = _nonneg_float(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"expected a share in [0, 1], got {text!r}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return v
+
+
+@subcommand("simulate")
+def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvbudget.core.policy import POLICY_NAMES
+    from kvbudget.sim.engine import (
+        DEFAULT_ABORT_LATENCY_S,
+        DEFAULT_BLOCK_SIZE,
+        DEFAULT_CAPACITY_BLOCKS,
+        DEFAULT_MAX_BATCH,
+        DEFAULT_PREFILL_CHUNK_TOKENS,
+    )
+
+    p = sub.add_parser(
+        "simulate",
+        help="replay a workload through every policy in virtual time and compare them",
+        description=(
+            "Replay a trace (Azure CSV or Mooncake JSONL) or the built-in synthetic workload "
+            "through kvbudget's scheduler under each policy, against a simulated engine "
+            "(Llama-2-7B on one A100-80GB by default), and print one row per policy."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("workload")
+    g.add_argument("--trace", metavar="PATH", help="trace file (default: built-in synthetic)")
+    g.add_argument("--limit", type=_positive_int, metavar="N",
+                   help="use only the first N requests (synthetic: generate N; default 3000)")
+    g.add_argument("--duration", type=_positive_float, metavar="S",
+                   help="use only requests arriving in the first S seconds (replayed timeline)")
+    g.add_argument("--rate-scale", type=_positive_float, default=1.0, metavar="X",
+                   help="replay X times faster than the workload's own arrivals")
+    g.add_argument("--sweep-rate", type=_float_list, metavar="A,B,C",
+                   help="run at each of these rate multipliers and report goodput against load")
+    g.add_argument("--seed", type=int, default=0, help="seed of the workload and scenario")
+    g = p.add_argument_group("policies")
+    g.add_argument("--policy", action="append", choices=POLICY_NAMES, metavar="NAME",
+                   help=f"policy to run (repeatable; default: all: {', '.join(POLICY_NAMES)})")
+    g = p.add_argument_group("scenario")
+    g.add_argument("--interactive-share", type=_share, default=0.7)
+    g.add_argument("--abandon-share", type=_share, default=0.1,
+                   help="share of interactive callers that disconnect early")
+    g.add_argument("--max-tokens-interactive", type=_positive_int, default=2048)
+    g.add_argument("--max-tokens-batch", type=_positive_int, default=4096)
+    g.add_argument("--model-max-len", type=_positive_int, default=8192)
+    g.add_argument("--ttft-slo", type=_positive_float, default=2.0,
+                   help="interactive time-to-first-token objective (s)")
+    g.add_argument("--itl-floor", type=_positive_float, default=0.2,
+                   help="interactive latency floor: slowest allowed inter-token gap (s)")
+    g.add_argument("--batch-deadline", type=_positive_float, default=600.0,
+                   help="batch completion deadline after arrival (s)")
+    g.add_argument("--wave-at", type=_nonneg_float, metavar="S",
+                   help="add a synchronized wave of long interactive outputs at S seconds")
+    g.add_argument("--wave-count", type=_positive_int, default=64)
+    g.add_argument("--wave-tokens", type=_positive_int, default=2000,
+                   help="true output tokens of each wave request")
+    g.add_argument("--wave-prompt-tokens", type=_positive_int, default=512)
+    g = p.add_argument_group("engine")
+    g.add_argument("--capacity-blocks", type=_positive_int, default=DEFAULT_CAPACITY_BLOCKS)
+    g.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE)
+    g.add_argument("--max-batch", type=_positive_int, default=DEFAULT_MAX_BATCH)
+    g.add_argument("--prefill-chunk", type=_positive_int, default=DEFAULT_PREFILL_CHUNK_TOKENS,
+                   help="prefill tokens per engine step")
+    g.add_argument("--abort-latency", type=_nonneg_float, default=DEFAULT_ABORT_LATENCY_S,
+                   help="seconds until an abort or preemption is confirmed")
+    g.add_argument("--step-fixed-ms", type=_nonneg_float, help="decode step fixed cost (ms)")
+    g.add_argument("--step-per-seq-us", type=_nonneg_float,
+                   help="decode step cost per running sequence (us)")
+    g.add_argument("--step-per-token-ns", type=_nonneg_float,
+                   help="decode step cost per context token (ns)")
+    g.add_argument("--prefill-per-token-us", type=_nonneg_float,
+                   help="prefill cost per prompt token (us)")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    g.add_argument("--plot", metavar="PATH", help="write a PNG chart")
+    g.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=_simulate)
+
+
+def _engine_from(args: argparse.Namespace) -> Any:
+    from kvbudget.core.cost import DEFAULT_STEP_TIME
+    from kvbudget.core.model import Capacity
+    from kvbudget.sim.engine import EngineModel
+
+    step = DEFAULT_STEP_TIME
+    changes: dict[str, float] = {}
+    if args.step_fixed_ms is not None:
+        changes["fixed_s"] = args.step_fixed_ms / 1e3
+    if args.step_per_seq_us is not None:
+        changes["per_seq_s"] = args.step_per_seq_us / 1e6
+    if args.step_per_token_ns is not None:
+        changes["per_context_token_s"] = args.step_per_token_ns / 1e9
+    if args.prefill_per_token_us is not None:
+        changes["prefill_per_token_s"] = args.prefill_per_token_us / 1e6
+    if changes:
+        step = attrs.evolve(step, **changes)
+    return EngineModel(
+        capacity=Capacity(args.capacity_blocks, args.block_size),
+        step=step,
+        abort_latency_s=args.abort_latency,
+        max_batch=args.max_batch,
+        prefill_chunk_tokens=args.prefill_chunk,
+    )
+
+
+def _scenario_from(args: argparse.Namespace, rate_scale: float) -> Any:
+    from kvbudget.sim.scenario import Scenario, Wave
+
+    wave = None
+    if args.wave_at is not None:
+        wave = Wave(
+            at_s=args.wave_at,
+            count=args.wave_count,
+            output_tokens=args.wave_tokens,
+            prompt_tokens=args.wave_prompt_tokens,
+        )
+    return Scenario(
+        seed=args.seed,
+        interactive_share=args.interactive_share,
+        interactive_max_tokens=args.max_tokens_interactive,
+        batch_max_tokens=args.max_tokens_batch,
+        model_max_len=args.model_max_len,
+        ttft_slo_s=args.ttft_slo,
+        itl_floor_s=args.itl_floor,
+        batch_deadline_s=args.batch_deadline,
+        abandon_share=args.abandon_share,
+        rate_scale=rate_scale,
+        wave=wave,
+    )
+
+
+def _workload_from(args: argparse.Namespace) -> Any:
+    from kvbudget.sim.workload import read_trace, synthetic_workload
+
+    if args.trace:
+        return read_trace(args.trace, limit=args.limit)
+    if args.limit is not None:
+        return synthetic_workload(seed=args.seed, n_requests=args.limit)
+    return synthetic_workload(seed=args.seed)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from kvbudget.core.policy import POLICY_NAMES
+    from kvbudget.errors import KvBudgetError
+    from kvbudget.sim import report
+    from kvbudget.sim.driver import run_policies
+    from kvbudget.sim.scenario import apply_scenario, overlay_summary
+
+    try:
+        engine = _engine_from(args)
+        workload = _workload_from(args)
+        rates = args.sweep_rate or [args.rate_scale]
+        scenarios = [_scenario_from(args, r) for r in rates]
+    except (KvBudgetError, OSError) as exc:
+        print(f"kvbudget simulate: {exc}", file=sys.stderr)
+        return 2
+    policies = list(dict.fromkeys(args.policy or POLICY_NAMES))
+    bar = None if args.quiet else ProgressBar(len(policies) * len(rates))
+    runs: list[report.RunResult] = []
+    for k, scenario in enumerate(scenarios):
+        requests = apply_scenario(workload, scenario)
+        if args.duration is not None:
+            t0 = requests[0].arrival_s if requests else 0.0
+            requests = tuple(r for r in requests if r.arrival_s - t0 <= args.duration)
+        if not requests:
+            print("kvbudget simulate: the workload has no requests", file=sys.stderr)
+            return 2
+
+        def progress(i: int, share: float, _k: int = k, _rate: float = rates[k]) -> None:
+            if bar is not None:
+                bar.update(
+                    _k * len(policies) + i + share, f"{policies[i]} at x{_rate:g}"
+                )
+
+        results = run_policies(
+            requests, scenario, engine, policies, seed=args.seed, progress=progress
+        )
+        wl_summary = dict(workload.summary())
+        wl_summary["overlay"] = overlay_summary(requests)
+        runs.append(
+            report.RunResult(
+                policies=results,
+                workload=wl_summary,
+                scenario=scenario.to_dict(),
+                engine=engine.to_dict(),
+                rate_scale=scenario.rate_scale,
+            )
+        )
+    if bar is not None:
+        bar.close()
+    out = sys.stdout
+    for run in runs:
+        n = run.workload.get("overlay", {}).get("count", 0)
+        out.write(
+            f"\n{run.workload.get('name')}: {n} requests, rate x{run.rate_scale:g}, "
+            f"capacity {engine.capacity.blocks} blocks x {engine.capacity.block_size} tokens\n"
+        )
+        out.write(report.format_markdown(run) if args.markdown else report.format_table(run))
+        out.write("\n")
+    if len(runs) > 1:
+        sweep = report.SweepResult(runs=tuple(runs))
+        out.write("\ngoodput (requests within SLO per second) against load\n")
+        out.write(report.format_sweep_table(sweep) + "\n")
+        if args.json:
+            report.write_json(report.sweep_to_json(sweep), args.json)
+        if args.plot:
+            report.plot_sweep(sweep, args.plot)
+    else:
+        if args.json:
+            report.write_json(report.run_to_json(runs[0]), args.json)
+        if args.plot:
+            report.plot_run(runs[0], args.plot)
+    return 0
+
+
+# =============================================================================================
+# other subcommands register here (e.g. ``kvbudget inspect URL``) with @subcommand("name")
+# =============================================================================================
+
+
+# -- kvbudget inspect URL ---------------------------------------------------------------------
+
+
+@subcommand("inspect")
+def _add_inspect(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="print the budget snapshot of a running server (GET URL/kvbudget/snapshot)",
+        description=(
+            "Fetch URL/kvbudget/snapshot from a server that exposes it (examples/fastapi_server.py"
+            " does) and print the budget snapshot as a table."
+        ),
+    )
+    p.add_argument("url", metavar="URL", help="the server's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--timeout", type=_positive_float, default=5.0, help="seconds (default 5)")
+    p.add_argument("--json", action="store_true", help="print the raw JSON instead of a table")
+    p.set_defaults(handler=_inspect)
+
+
+def fetch_snapshot(url: str, timeout: float = 5.0) -> dict[str, Any]:
+    """GET ``url``/kvbudget/snapshot (urllib, no extra dependency) and return the decoded JSON."""
+    import json
+    import urllib.request
+
+    target = url.rstrip("/")
+    if not target.endswith("/kvbudget/snapshot"):
+        target += "/kvbudget/snapshot"
+    req = urllib.request.Request(target, headers={"Accept": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        data = json.loads(resp.read().decode("utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"{target} returned {type(data).__name__}, expected a JSON object")
+    return data
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    import json
+    import urllib.error
+
+    from kvbudget.observability import format_snapshot
+
+    try:
+        data = fetch_snapshot(args.url, args.timeout)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"kvbudget inspect: cannot read a snapshot from {args.url}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(data, indent=2, sort_keys=True) if args.json else format_snapshot(data))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="kvbudget", description="KV-cache budgets for LLM serving."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for register in SUBCOMMANDS.values():
+        register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvbudget`` console script. Returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    return handler(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,776 @@
+"""The discrete-event driver: replays a workload through the real core in virtual time.
+
+This module owns :func:`simulate` (one policy over one list of
+:class:`~kvbudget.sim.scenario.SimRequest`) and :func:`run_policies` (several policies over the
+same requests, with the ``goodput_vs_oracle`` ratio filled in). It drives
+:class:`kvbudget.core.scheduler.Scheduler` exactly as a production shell does -- events in,
+actions out -- against the engine of :mod:`kvbudget.sim.engine`, and measures the outcome from its
+*own* records (not from the core's counters): what was decoded, when, and how each request ended.
+
+Theory of operation
+-------------------
+Time is virtual. The engine runs back-to-back iterations while it has work; when it is idle the
+clock jumps to the next timed event. Timed events are arrivals (``Scheduler.arrive``), client
+disconnects at ``abandon_after_s`` after arrival (``Scheduler.cancel``; durable requests never
+disconnect), release confirmations (``Scheduler.confirm_release``) and a ``Tick`` every
+``engine.tick_s``. Each iteration:
+
+1. the engine composes its step from what it holds *now*: the decode batch (every running
+   request that is not stopped at its grant boundary, plus aborted requests whose abort is not
+   confirmed yet) and up to ``prefill_chunk_tokens`` of pending prefill, first come first served;
+   the step lasts ``step.decode_time(batch, context) + step.prefill_time(prefill)``;
+2. timed events that fall inside the step are applied at their own times, in time order (an
+   admission made mid-step joins the next step; a request preempted or aborted mid-step is
+   handled when its token would come out);
+3. at the end of the step every request in the batch gains one token and the driver calls
+   ``charge``; a request whose prefill completed emits its first token. After its token a request
+   that reached its true length calls ``finish("stop")`` (``finish("length")`` at the hard max);
+   one that reached its grant boundary while it still has tokens to generate calls
+   ``boundary_reached`` and *stops* -- it generates nothing until an ``Extend`` comes back, and the
+   wait shows in its inter-token gaps. ``observe_step`` reports the decode part of the step.
+
+Actions are carried out as an engine would: ``Admit`` queues the prefill (prompt, plus the
+generated tokens of a resumed checkpoint: the recompute cost); ``Extend`` moves the boundary and
+un-stops the request; ``Deny`` is counted; ``Preempt`` stops the request at once, its blocks
+confirmed after ``abort_latency_s``; ``Abort`` (a cancelled or failed request) keeps decoding --
+wasted tokens -- until its abort is confirmed ``abort_latency_s`` later; ``Continue`` ends the
+request explicitly (counted as continued), confirmed after ``abort_latency_s``; ``Reject`` ends a
+request that was never admitted as overloaded (a checkpoint that expired as failed); ``Released``
+ends it for good, or puts a preempted request back in the queue to resume. A request that
+finished by itself is confirmed at the start of the next iteration.
+
+What is measured (all from the driver's own records)
+----------------------------------------------------
+* Each request ends exactly once: completed, rejected (overloaded), abandoned, continued or
+  failed; :func:`simulate` checks that the counts add up.
+* **Goodput**: requests completed within their class SLO, per second of the *replayed arrival
+  span* (first to last arrival; the same denominator for every policy). Interactive: completed,
+  time to first token <= the class's ``ttft_slo_s``, and its p99 inter-token gap within the
+  latency floor, i.e. at most 1 % of its gaps exceed ``latency_floor_s``. Batch: completed within
+  its deadline after arrival.
+* TTFT p50/p99 over interactive requests that got a first token; inter-token latency p50/p99
+  over every gap between consecutive tokens of an interactive request (gaps across a preemption
+  included), from a 0.1 ms histogram; ``stalls``: interactive gaps above the latency floor.
+* Hard-max violations: tokens generated beyond a request's hard max. Silent truncations: requests
+  that ended as completed (not cancelled, continued or failed) with fewer tokens than
+  min(true length, hard max), or that the core released as completed without the engine having
+  finished them.
+* Mean reserved and used KV: time-weighted over the makespan (first arrival to last release), as
+  percent of capacity. Wasted decoded tokens: tokens decoded for requests that did not complete.
+
+Performance: the per-token work is one ``charge`` call plus a few slot updates; the decode batch
+is walked once per step, and gaps equal to the step length are counted in bulk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+
+from kvbudget.core import events as ev
+from kvbudget.core.cost import CostModel
+from kvbudget.core.lengths import LengthModel
+from kvbudget.core.policy import OraclePolicy, Policy, make_policy
+from kvbudget.core.scheduler import Scheduler, SchedulerConfig
+from kvbudget.errors import HardLimitExceeded, InvalidInput
+from kvbudget.sim.engine import EngineModel
+from kvbudget.sim.report import PolicyResult, with_oracle_ratio
+from kvbudget.sim.scenario import Scenario, SimRequest
+
+__all__ = ["SimulationError", "run_policies", "simulate"]
+
+# request phases in the engine (ints: compared on the hot path)
+_QUEUED = 0  # waiting for admission (first time or to resume), holds nothing in the engine
+_PREFILL = 1  # admitted, prefilling
+_DECODE = 2  # decoding
+_BLOCKED = 3  # stopped at its grant boundary, waiting for an extension
+_ABORTING = 4  # cancelled/failed, decoding until the abort is confirmed
+_HELD = 5  # stopped (finished / preempted / continued / aborted and idle), awaiting confirmation
+_DONE = 6
+
+_ENDS = ("completed", "rejected", "abandoned", "continued", "failed")
+_MAX_SERIES = 2000
+_ITL_RES = 10000.0  # histogram resolution: 0.1 ms
+
+
+class SimulationError(RuntimeError):
+    """The simulation could not finish (a request never ended) or broke its own accounting."""
+
+
+class _Req:
+    __slots__ = (
+        "abandon_at",
+        "admitted_at",
+        "arrival",
+        "boundary",
+        "ctx_in",
+        "deadline",
+        "end",
+        "finished_at",
+        "first_token_at",
+        "floor",
+        "gaps",
+        "generated",
+        "hard_max",
+        "interactive",
+        "last_token_at",
+        "phase",
+        "prefill_left",
+        "prompt",
+        "rid",
+        "sim",
+        "stalls",
+        "stop_at",
+        "ttft_slo",
+    )
+
+    def __init__(self, sim: SimRequest, floor: float, ttft_slo: float, deadline: float) -> None:
+        self.sim = sim
+        self.rid = sim.request_id
+        self.arrival = sim.arrival_s
+        self.prompt = sim.prompt_tokens
+        self.hard_max = sim.spec.hard_max
+        # the engine stops a request at its true stop point, or at max_tokens ("length")
+        self.stop_at = sim.unclamped_output_tokens
+        self.interactive = sim.spec.service_class == "interactive"
+        self.floor = floor
+        self.ttft_slo = ttft_slo
+        self.deadline = deadline
+        self.generated = 0
+        self.boundary = 0
+        self.phase = _QUEUED
+        self.end: str | None = None
+        self.admitted_at = -1.0
+        self.first_token_at = -1.0
+        self.last_token_at = -1.0
+        self.finished_at = -1.0
+        self.gaps = 0
+        self.stalls = 0
+        self.prefill_left = 0
+        self.ctx_in = False  # counted in the decode batch's context
+        self.abandon_at = (
+            None
+            if sim.abandon_after_s is None or sim.spec.durable
+            else sim.arrival_s + sim.abandon_after_s
+        )
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    n = len(sorted_values)
+    if n == 0:
+        return 0.0
+    return float(sorted_values[min(n, max(1, math.ceil(q * n))) - 1])
+
+
+def _hist_percentile(hist: dict[int, int], q: float) -> float:
+    total = sum(hist.values())
+    if total == 0:
+        return 0.0
+    rank = max(1, math.ceil(q * total))
+    acc = 0
+    for key in sorted(hist):
+        acc += hist[key]
+        if acc >= rank:
+            return key / _ITL_RES
+    return max(hist) / _ITL_RES
+
+
+def _hist_cdf(hist: dict[int, int], points: int = 400) -> tuple[tuple[float, float], ...]:
+    total = sum(hist.values())
+    if total == 0:
+        return ()
+    keys = sorted(hist)
+    out: list[tuple[float, float]] = []
+    acc = 0
+    stride = max(1, len(keys) // points)
+    for i, key in enumerate(keys):
+        acc += hist[key]
+        if i % stride == 0 or i == len(keys) - 1:
+            out.append((max(key, 1) / _ITL_RES, acc / total))
+    return tuple(out)
+
+
+def build_policy(name: str, truth: dict[str, int], seed: int = 0) -> Policy:
+    """A fresh policy by name; ``oracle`` reads the true lengths from ``truth``."""
+    if name == "oracle":
+        return OraclePolicy(truth.get)
+    if name == "past-future":
+        return make_policy(name, seed=seed)
+    return make_policy(name)
+
+
+class _Sim:
+    """One run: the engine state, the scheduler and the driver's records."""
+
+    def __init__(
+        self,
+        requests: Sequence[SimRequest],
+        scenario: Scenario,
+        engine: EngineModel,
+        policy: str | Policy,
+        seed: int,
+        progress: Callable[[float], None] | None,
+        check_invariants: bool,
+    ) -> None:
+        self.engine = engine
+        self.scenario = scenario
+        interactive, batch = scenario.service_classes()
+        self.classes = {interactive.name: interactive, batch.name: batch}
+        self.truth = {r.request_id: r.true_output_tokens for r in requests}
+        pol = build_policy(policy, self.truth, seed) if isinstance(policy, str) else policy
+        self.policy_name = pol.name
+        self.sched = Scheduler(
+            engine.capacity,
+            classes=(interactive, batch),
+            policy=pol,
+            lengths=LengthModel(),
+            cost=CostModel(),
+            config=SchedulerConfig(max_active=engine.max_batch),
+        )
+        self.progress = progress
+        self.check_invariants = check_invariants
+        self.reqs: dict[str, _Req] = {}
+        self.order: list[_Req] = []
+        for sim in requests:
+            cls = self.classes[sim.spec.service_class]
+            floor = cls.latency_floor_s if cls.latency_floor_s is not None else math.inf
+            ttft = cls.ttft_slo_s if cls.ttft_slo_s is not None else math.inf
+            dl = sim.spec.deadline if sim.spec.deadline is not None else cls.default_deadline_s
+            r = _Req(sim, floor, ttft, dl if dl is not None else math.inf)
+            if r.rid in self.reqs:
+                raise InvalidInput("requests", r.rid, "unique request ids")
+            self.reqs[r.rid] = r
+            self.order.append(r)
+        self.order.sort(key=lambda r: r.arrival)
+        # engine state
+        self.decoding: dict[str, _Req] = {}
+        self.prefill_q: deque[_Req] = deque()
+        self.ctx_total = 0
+        # timed events: (time, seq, kind, rid); kinds: 0 confirm, 1 abandon
+        self.timed: list[tuple[float, int, int, str]] = []
+        self.tseq = 0
+        # records
+        self.done = 0
+        self.preemptions = 0
+        self.recompute_tokens = 0
+        self.last_release = 0.0
+        self.denies = 0
+        self.preempt_reasons: dict[str, int] = {}
+        self.violations = 0
+        self.silent = 0
+        self.stalls = 0
+        self.itl_hist: dict[int, int] = {}
+        self.errors: list[str] = []
+
+    # -- timed events -------------------------------------------------------------------------
+
+    def _at(self, t: float, kind: int, rid: str) -> None:
+        self.tseq += 1
+        heapq.heappush(self.timed, (t, self.tseq, kind, rid))
+
+    # -- engine membership ----------------------------------------------------------------
+
+    def _enter_decode(self, r: _Req) -> None:
+        r.phase = _DECODE
+        self.decoding[r.rid] = r
+        if not r.ctx_in:
+            r.ctx_in = True
+            self.ctx_total += r.prompt + r.generated
+
+    def _leave_decode(self, r: _Req) -> None:
+        if self.decoding.pop(r.rid, None) is not None and r.ctx_in:
+            r.ctx_in = False
+            self.ctx_total -= r.prompt + r.generated
+
+    def _stop_engine(self, r: _Req) -> None:
+        """Take the request out of the engine's work (decode batch or prefill queue)."""
+        if r.phase == _PREFILL:
+            with contextlib.suppress(ValueError):
+                self.prefill_q.remove(r)
+        self._leave_decode(r)
+
+    def _finalise(self, r: _Req, end: str) -> None:
+        if r.phase == _DONE:
+            raise SimulationError(f"request {r.rid} ended twice ({r.end}, then {end})")
+        if r.end is None:
+            r.end = end
+        self._stop_engine(r)
+        r.phase = _DONE
+        self.done += 1
+
+    # -- actions ------------------------------------------------------------------------------
+
+    def apply(self, actions: Iterable[ev.Action], t: float) -> None:
+        for a in actions:
+            kind = a.__class__
+            r = self.reqs[a.request_id]
+            if kind is ev.Admit:
+                assert isinstance(a, ev.Admit)
+                if r.phase != _QUEUED:
+                    raise SimulationError(f"Admit for {r.rid} in phase {r.phase}")
+                if r.admitted_at < 0:
+                    r.admitted_at = t
+                if a.resume is not None:
+                    if a.resume.generated_tokens != r.generated:
+                        raise SimulationError(
+                            f"checkpoint of {r.rid} has {a.resume.generated_tokens} tokens, "
+                            f"the engine generated {r.generated}"
+                        )
+                    r.prefill_left = r.prompt + r.generated
+                else:
+                    r.prefill_left = r.prompt
+                r.boundary = a.boundary
+                r.phase = _PREFILL
+                self.prefill_q.append(r)
+            elif kind is ev.Extend:
+                assert isinstance(a, ev.Extend)
+                r.boundary = a.boundary
+                if r.phase == _BLOCKED:
+                    self._enter_decode(r)
+            elif kind is ev.Deny:
+                self.denies += 1
+            elif kind is ev.Preempt:
+                assert isinstance(a, ev.Preempt)
+                self.preemptions += 1
+                self.recompute_tokens += a.recompute_tokens
+                why = a.reason.split(":", 1)[0]
+                self.preempt_reasons[why] = self.preempt_reasons.get(why, 0) + 1
+                self._stop_engine(r)
+                r.phase = _HELD
+                self._at(t + self.engine.abort_latency_s, 0, r.rid)
+            elif kind is ev.Abort:
+                assert isinstance(a, ev.Abort)
+                if r.end is None:
+                    r.end = "abandoned" if a.reason == "cancelled" else "failed"
+                if r.phase == _DECODE and r.generated < r.boundary:
+                    r.phase = _ABORTING  # keeps decoding until the abort is confirmed
+                else:
+                    self._stop_engine(r)
+                    r.phase = _HELD
+                self._at(t + self.engine.abort_latency_s, 0, r.rid)
+            elif kind is ev.Continue:
+                r.end = "continued"
+                self._stop_engine(r)
+                r.phase = _HELD
+                self._at(t + self.engine.abort_latency_s, 0, r.rid)
+            elif kind is ev.Reject:
+                self._finalise(r, "failed" if r.admitted_at >= 0 else "rejected")
+                r.finished_at = t
+            elif kind is ev.Released:
+                assert isinstance(a, ev.Released)
+                if a.resumable:
+                    r.phase = _QUEUED
+                else:
+                    if a.outcome == "completed" and r.end != "completed":
+                        self.silent += 1  # the core ended it as complete; the engine did not
+                        self.errors.append(f"{r.rid}: released as completed, engine said {r.end}")
+                    if r.end is None:
+                        r.end = {"cancelled": "abandoned", "continued": "continued"}.get(
+                            a.outcome, "failed"
+                        )
+                    if r.finished_at < 0:
+                        r.finished_at = t
+                    self._finalise(r, r.end)
+                    self.last_release = t
+            # Reject of a request never admitted comes back from arrive/tick directly
+
+    # -- the engine's per-token work ------------------------------------------------------------
+
+    def _after_token(self, r: _Req, t: float) -> None:
+        """Stop conditions after a token of a decoding request (phase may have changed)."""
+        g = r.generated
+        ph = r.phase
+        if ph == _DECODE:
+            if g >= r.stop_at:
+                self._finish(r, "stop", t)
+            elif g >= r.hard_max:
+                self._finish(r, "length", t)
+            elif g >= r.boundary:
+                self._leave_decode(r)
+                r.phase = _BLOCKED
+                self.apply(self.sched.boundary_reached(r.rid, t), t)
+        elif ph == _ABORTING and (g >= r.stop_at or g >= r.hard_max or g >= r.boundary):
+            self._leave_decode(r)
+            r.phase = _HELD  # idle until the abort is confirmed
+
+    def _finish(self, r: _Req, reason: str, t: float) -> None:
+        self._leave_decode(r)
+        r.phase = _HELD
+        r.end = "completed"
+        r.finished_at = t
+        self._at(t, 0, r.rid)  # confirmed at the start of the next iteration
+        self.apply(self.sched.finish(r.rid, reason, t), t)
+
+    def _token(self, r: _Req, t: float, step_start: float) -> None:
+        """One token for ``r`` at ``t`` (slow path: first tokens, resumes, violations)."""
+        g = r.generated + 1
+        if g > r.hard_max:
+            self.violations += 1
+        r.generated = g
+        if r.ctx_in:
+            self.ctx_total += 1
+        try:
+            acts = self.sched.charge(r.rid, 1, t)
+        except HardLimitExceeded as exc:
+            self.errors.append(str(exc))
+            self._leave_decode(r)
+            r.phase = _HELD
+            self.apply(self.sched.fail(r.rid, "hard-max", t), t)
+            return
+        last = r.last_token_at
+        if last >= 0.0 and r.interactive:
+            gap = t - last
+            r.gaps += 1
+            key = int(gap * _ITL_RES)
+            self.itl_hist[key] = self.itl_hist.get(key, 0) + 1
+            if gap > r.floor:
+                r.stalls += 1
+                self.stalls += 1
+        if r.first_token_at < 0.0:
+            r.first_token_at = t
+        r.last_token_at = t
+        if acts:
+            self.apply(acts, t)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> PolicyResult:
+        wall0 = time.perf_counter()
+        sched = self.sched
+        engine = self.engine
+        st = engine.step
+        fixed, per_seq, per_ctx, per_pre = (
+            st.fixed_s,
+            st.per_seq_s,
+            st.per_context_token_s,
+            st.prefill_per_token_s,
+        )
+        chunk = engine.prefill_chunk_tokens
+        tick_s = engine.tick_s
+        cap_blocks = engine.capacity.blocks
+        ledger = sched.ledger
+        order = self.order
+        n = len(order)
+        timed = self.timed
+        charge = sched.charge
+        itl = self.itl_hist
+        decoding = self.decoding
+        prefill_q = self.prefill_q
+        inf = math.inf
+
+        first_arrival = order[0].arrival if order else 0.0
+        last_arrival = order[-1].arrival if order else 0.0
+        now = first_arrival
+        next_tick = first_arrival + tick_s
+        ai = 0
+        steps = 0
+        area_res = 0.0
+        area_used = 0.0
+        series: list[tuple[float, float, float]] = []
+        self.last_release = first_arrival
+        guard = last_arrival + 1e6
+
+        def drain(until: float) -> None:
+            nonlocal ai, next_tick
+            while True:
+                ta = order[ai].arrival if ai < n else inf
+                te = timed[0][0] if timed else inf
+                t = min(ta, te, next_tick)
+                if t > until:
+                    return
+                if t == ta:
+                    r = order[ai]
+                    ai += 1
+                    self.apply(sched.arrive(r.rid, r.sim.spec, t), t)
+                    if r.end is None and r.abandon_at is not None:
+                        self._at(r.abandon_at, 1, r.rid)
+                elif t == te:
+                    _t, _s, kind, rid = heapq.heappop(timed)
+                    r = self.reqs[rid]
+                    if kind == 0:
+                        if r.phase != _DONE and r.phase != _QUEUED:
+                            if r.phase == _ABORTING:
+                                self._leave_decode(r)
+                                r.phase = _HELD
+                            self.apply(sched.confirm_release(rid, t), t)
+                    elif r.end is None and r.phase != _DONE:
+                        # the caller disconnects
+                        r.end = "abandoned"
+                        was_queued = r.phase == _QUEUED
+                        self.apply(sched.cancel(rid, t), t)
+                        if was_queued and r.phase != _DONE:
+                            r.finished_at = t
+                            self._finalise(r, "abandoned")
+                else:
+                    self.apply(sched.tick(t), t)
+                    series.append(
+                        (t, 100.0 * ledger.reserved / cap_blocks, 100.0 * ledger.used / cap_blocks)
+                    )
+                    if self.check_invariants:
+                        sched.check_invariants()
+                    next_tick = t + tick_s
+
+        while self.done < n:
+            if (ai < n and order[ai].arrival <= now) or (timed and timed[0][0] <= now) or (
+                next_tick <= now
+            ):
+                drain(now)
+            if self.done >= n:
+                break
+            # 1. compose the step
+            batch = list(decoding.values())
+            nb = len(batch)
+            plan: list[tuple[_Req, int]] = []
+            budget = chunk
+            pre_tokens = 0
+            for r in prefill_q:
+                if budget <= 0:
+                    break
+                take = r.prefill_left if r.prefill_left < budget else budget
+                plan.append((r, take))
+                budget -= take
+                pre_tokens += take
+            if nb == 0 and pre_tokens == 0:
+                # idle: jump to the next timed event
+                ta = order[ai].arrival if ai < n else inf
+                te = timed[0][0] if timed else inf
+                if not sched.requests and ta < inf:
+                    # nothing held or queued: ticks have nothing to do until the next event
+                    nxt = min(ta, te)
+                    if next_tick < nxt:
+                        next_tick = first_arrival + tick_s * math.ceil(
+                            (nxt - first_arrival) / tick_s
+                        )
+                t_next = min(ta, te, next_tick)
+                if t_next == inf or t_next > guard:
+                    stuck = [r.rid for r in order if r.phase != _DONE][:10]
+                    raise SimulationError(
+                        f"{self.policy_name}: no event left but {n - self.done} requests never "
+                        f"ended (e.g. {stuck})"
+                    )
+                area_res += ledger.reserved * (t_next - now)
+                area_used += ledger.used * (t_next - now)
+                now = t_next
+                continue
+            ctx = self.ctx_total
+            decode_s = fixed + per_seq * nb + per_ctx * ctx if nb else 0.0
+            dt = decode_s + per_pre * pre_tokens + (fixed if nb == 0 else 0.0)
+            t_end = now + dt
+            area_res += ledger.reserved * dt
+            area_used += ledger.used * dt
+            # 2. what happens during the step
+            if (ai < n and order[ai].arrival <= t_end) or (timed and timed[0][0] <= t_end) or (
+                next_tick <= t_end
+            ):
+                drain(t_end)
+            # 3. tokens at the end of the step
+            step_start = now
+            now = t_end
+            steps += 1
+            contiguous = 0
+            for r in batch:
+                ph = r.phase
+                if ph != _DECODE and ph != _ABORTING:
+                    continue
+                g = r.generated
+                if g >= r.boundary or g >= r.hard_max or r.last_token_at != step_start:
+                    if g >= r.boundary:
+                        continue  # the engine cannot write past the grant
+                    self._token(r, now, step_start)
+                    if r.phase == _DECODE or r.phase == _ABORTING:
+                        self._after_token(r, now)
+                    continue
+                # fast path: an ordinary decode token, previous token one step ago
+                g += 1
+                r.generated = g
+                self.ctx_total += 1
+                acts = charge(r.rid, 1, now)
+                r.last_token_at = now
+                if r.interactive:
+                    contiguous += 1
+                    r.gaps += 1
+                    if dt > r.floor:
+                        r.stalls += 1
+                        self.stalls += 1
+                if acts:
+                    self.apply(acts, now)
+                if g >= r.boundary or g >= r.stop_at or g >= r.hard_max or r.phase != ph:
+                    self._after_token(r, now)
+            if contiguous:
+                key = int(dt * _ITL_RES)
+                itl[key] = itl.get(key, 0) + contiguous
+            for r, take in plan:
+                if r.phase != _PREFILL:
+                    continue
+                r.prefill_left -= take
+                if r.prefill_left > 0:
+                    continue
+                prefill_q.remove(r)
+                if r.generated >= r.stop_at or r.generated >= r.hard_max:
+                    # resumed after its last token: nothing left to generate
+                    self._enter_decode(r)
+                    self._finish(r, "stop" if r.generated >= r.stop_at else "length", now)
+                    continue
+                self._enter_decode(r)
+                self._token(r, now, step_start)
+                if r.phase == _DECODE:
+                    self._after_token(r, now)
+            if nb:
+                sched.observe_step(nb, ctx, decode_s, now)
+            if self.progress is not None and steps % 512 == 0:
+                self.progress(ai / n if n else 1.0)
+        if self.progress is not None:
+            self.progress(1.0)
+        return self._result(
+            first_arrival, last_arrival, max(now, self.last_release), steps, area_res, area_used,
+            series, time.perf_counter() - wall0,
+        )
+
+    # -- results ------------------------------------------------------------------------------
+
+    def _result(
+        self,
+        first_arrival: float,
+        last_arrival: float,
+        end: float,
+        steps: int,
+        area_res: float,
+        area_used: float,
+        series: list[tuple[float, float, float]],
+        wall: float,
+    ) -> PolicyResult:
+        counts = dict.fromkeys(_ENDS, 0)
+        good_i = good_b = 0
+        ttfts: list[float] = []
+        decoded_fast = 0
+        for r in self.order:
+            if r.phase != _DONE or r.end not in counts:
+                raise SimulationError(f"request {r.rid} did not end (phase {r.phase}, {r.end})")
+            counts[r.end] += 1
+            decoded_fast += r.generated
+            if r.end == "completed":
+                expected = min(r.stop_at, r.hard_max)
+                if r.generated < expected:
+                    self.silent += 1
+                    self.errors.append(f"{r.rid}: completed with {r.generated} < {expected}")
+            if r.interactive and r.first_token_at >= 0:
+                ttfts.append(r.first_token_at - r.arrival)
+            if r.end != "completed":
+                continue
+            if r.interactive:
+                if (
+                    r.first_token_at - r.arrival <= r.ttft_slo
+                    and r.stalls <= 0.01 * r.gaps
+                ):
+                    good_i += 1
+            elif r.finished_at - r.arrival <= r.deadline:
+                good_b += 1
+        total = sum(counts.values())
+        if total != len(self.order):
+            raise SimulationError(f"{total} outcomes for {len(self.order)} requests")
+        wasted_tokens = sum(r.generated for r in self.order if r.end in ("abandoned", "failed"))
+        window = last_arrival - first_arrival
+        makespan = max(end - first_arrival, 1e-9)
+        if window <= 0:
+            window = makespan
+        ttfts.sort()
+        snap = self.sched.snapshot()
+        under = snap.underestimation
+        if len(series) > _MAX_SERIES:
+            stride = math.ceil(len(series) / _MAX_SERIES)
+            series = series[::stride]
+        cap = self.engine.capacity.blocks
+        good = good_i + good_b
+        return PolicyResult(
+            policy=self.policy_name,
+            requests=total,
+            good=good,
+            good_interactive=good_i,
+            good_batch=good_b,
+            goodput_rps=good / window,
+            completed=counts["completed"],
+            rejected=counts["rejected"],
+            abandoned=counts["abandoned"],
+            continued=counts["continued"],
+            failed=counts["failed"],
+            preemptions=self.preemptions,
+            recompute_tokens=self.recompute_tokens,
+            wasted_decoded_tokens=wasted_tokens,
+            decoded_tokens=decoded_fast,
+            ttft_p50_s=_percentile(ttfts, 0.5),
+            ttft_p99_s=_percentile(ttfts, 0.99),
+            itl_p50_s=_hist_percentile(self.itl_hist, 0.5),
+            itl_p99_s=_hist_percentile(self.itl_hist, 0.99),
+            stalls=self.stalls,
+            core_stalls=snap.stalls,
+            kv_reserved_mean=100.0 * area_res / makespan / cap,
+            kv_used_mean=100.0 * area_used / makespan / cap,
+            hard_max_violations=self.violations,
+            silent_truncations=self.silent,
+            extensions=snap.extensions_granted,
+            extensions_denied=snap.extensions_denied,
+            under_p50=under.overall.shortfall_p50 if under else 0,
+            under_p90=under.overall.shortfall_p90 if under else 0,
+            under_p99=under.overall.shortfall_p99 if under else 0,
+            coverage=under.overall.coverage if under else 0.0,
+            window_s=window,
+            makespan_s=makespan,
+            steps=steps,
+            wall_s=wall,
+            itl_cdf=_hist_cdf(self.itl_hist),
+            kv_series=tuple(series),
+        )
+
+
+def simulate(
+    requests: Sequence[SimRequest],
+    scenario: Scenario,
+    engine: EngineModel | None = None,
+    policy: str | Policy = "calibrated",
+    *,
+    seed: int = 0,
+    progress: Callable[[float], None] | None = None,
+    check_invariants: bool = False,
+) -> PolicyResult:
+    """Replay ``requests`` (from :func:`~kvbudget.sim.scenario.apply_scenario`) through one policy.
+
+    ``scenario`` supplies the service classes (objectives); ``engine`` the engine model (defaults:
+    :class:`~kvbudget.sim.engine.EngineModel`). ``policy``: a shipped policy name (``oracle``
+    is built with the requests' true lengths) or a Policy instance. ``progress`` is called with
+    the share of arrivals replayed. ``check_invariants`` asserts the ledger invariants at every
+    tick (slow; for tests). Deterministic for given inputs.
+    """
+    sim = _Sim(
+        requests, scenario, engine or EngineModel(), policy, seed, progress, check_invariants
+    )
+    return sim.run()
+
+
+def run_policies(
+    requests: Sequence[SimRequest],
+    scenario: Scenario,
+    engine: EngineModel | None = None,
+    policies: Sequence[str] = (),
+    *,
+    seed: int = 0,
+    progress: Callable[[int, float], None] | None = None,
+) -> dict[str, PolicyResult]:
+    """:func:`simulate` each policy over the same requests; fills ``goodput_vs_oracle``.
+
+    ``progress(i, share)`` reports policy ``i``'s share of arrivals replayed.
+    """
+    from kvbudget.core.policy import POLICY_NAMES
+
+    names = list(policies) or list(POLICY_NAMES)
+    results: dict[str, PolicyResult] = {}
+    for i, name in enumerate(names):
+        cb: Callable[[float], None] | None = None
+        if progress is not None:
+            def cb(share: float, _i: int = i) -> None:
+                progress(_i, share)
+        results[name] = simulate(requests, scenario, engine, name, seed=seed, progress=cb)
+    return with_oracle_ratio(results)

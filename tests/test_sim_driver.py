@@ -1,0 +1,146 @@
+"""Tests of the discrete-event driver (kvbudget.sim.driver) and the engine model."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from kvbudget.core.model import Capacity
+from kvbudget.core.policy import POLICY_NAMES
+from kvbudget.errors import InvalidInput
+from kvbudget.sim.driver import run_policies, simulate
+from kvbudget.sim.engine import DEFAULT_CAPACITY_BLOCKS, EngineModel
+from kvbudget.sim.report import JSON_POLICY_KEYS, PolicyResult
+from kvbudget.sim.scenario import Scenario, SimRequest, Wave, apply_scenario
+from kvbudget.sim.workload import TraceRequest, Workload, synthetic_workload
+
+SMALL_ENGINE = EngineModel(capacity=Capacity(600, 16))
+
+
+def _requests(
+    n: int = 150, rate: float = 4.0, seed: int = 0, **scenario: object
+) -> tuple[tuple[SimRequest, ...], Scenario]:
+    sc = Scenario(seed=seed, **scenario)  # type: ignore[arg-type]
+    wl = synthetic_workload(seed=seed, n_requests=n, rate_rps=rate)
+    return apply_scenario(wl, sc), sc
+
+
+def _figures(r: PolicyResult) -> dict[str, object]:
+    d = r.to_dict()
+    d.pop("wall_s")
+    d["itl_cdf"] = r.itl_cdf
+    d["kv_series"] = r.kv_series
+    return d
+
+
+def _ends(r: PolicyResult) -> int:
+    return r.completed + r.rejected + r.abandoned + r.continued + r.failed
+
+
+def test_engine_defaults_follow_the_cited_setting() -> None:
+    e = EngineModel()
+    assert e.capacity.blocks == DEFAULT_CAPACITY_BLOCKS == 7152
+    assert e.capacity.block_size == 16
+    # decode of 10 sequences holding 10k tokens plus 100 prefill tokens
+    expected = 9.57e-3 + 10 * 15e-6 + 10_000 * 0.306e-6 + 100 * 61e-6
+    assert e.step_time(10, 10_000, 100) == pytest.approx(expected)
+    assert e.step_time(0, 0, 0) == 0.0
+    with pytest.raises(InvalidInput):
+        EngineModel(abort_latency_s=-1.0)
+    with pytest.raises(InvalidInput):
+        EngineModel(max_batch=0)
+
+
+def test_deterministic_per_seed() -> None:
+    reqs, sc = _requests(seed=3, wave=Wave(at_s=10.0, count=8, output_tokens=600))
+    for policy in ("calibrated", "past-future"):
+        a = simulate(reqs, sc, SMALL_ENGINE, policy, seed=3)
+        b = simulate(reqs, sc, SMALL_ENGINE, policy, seed=3)
+        assert _figures(a) == _figures(b)
+
+
+def test_every_request_accounted_once_and_no_violations_for_every_policy() -> None:
+    reqs, sc = _requests(
+        n=160,
+        rate=5.0,
+        abandon_share=0.3,
+        abandon_mean_s=2.0,
+        continue_share=0.2,
+        wave=Wave(at_s=8.0, count=10, output_tokens=900, prompt_tokens=256),
+    )
+    results = run_policies(reqs, sc, SMALL_ENGINE, POLICY_NAMES)
+    assert set(results) == set(POLICY_NAMES)
+    for name, r in results.items():
+        assert r.requests == len(reqs) == _ends(r), name
+        assert r.hard_max_violations == 0, name
+        assert r.silent_truncations == 0, name
+        assert r.good == r.good_interactive + r.good_batch <= r.completed, name
+        assert r.abandoned > 0, name  # the scenario abandons, and the driver saw it
+        assert 0.0 <= r.kv_used_mean <= r.kv_reserved_mean <= 100.0, name
+        assert set(JSON_POLICY_KEYS) <= set(r.to_dict()), name
+    assert results["oracle"].goodput_vs_oracle == pytest.approx(1.0)
+
+
+def test_checked_invariants_hold_during_a_run() -> None:
+    reqs, sc = _requests(n=80, rate=5.0, abandon_share=0.3, abandon_mean_s=2.0)
+    for policy in ("calibrated", "reserve-current", "segmented"):
+        r = simulate(reqs, sc, SMALL_ENGINE, policy, check_invariants=True)
+        assert _ends(r) == len(reqs)
+
+
+def test_oracle_beats_reserve_max_when_overloaded() -> None:
+    reqs, sc = _requests(n=200, rate=8.0)
+    results = run_policies(reqs, sc, SMALL_ENGINE, ("reserve-max", "oracle"))
+    assert results["reserve-max"].rejected > 0  # it is overloaded
+    assert results["oracle"].goodput_rps >= results["reserve-max"].goodput_rps
+    assert results["reserve-max"].kv_used_mean < results["oracle"].kv_used_mean
+
+
+def test_preemptions_under_a_wave() -> None:
+    # a quiet trace, then a synchronized wave of long interactive outputs
+    trace = Workload(
+        name="quiet",
+        requests=[TraceRequest(arrival_s=i * 0.5, prompt_tokens=200, output_tokens=150)
+                  for i in range(40)],
+    )
+    sc = Scenario(
+        interactive_share=0.5,
+        abandon_share=0.0,
+        wave=Wave(at_s=5.0, count=24, output_tokens=1500, prompt_tokens=300, spread_s=0.5),
+    )
+    reqs = apply_scenario(trace, sc)
+    results = run_policies(reqs, sc, SMALL_ENGINE, ("reserve-current", "reserve-max"))
+    assert results["reserve-current"].preemptions > 0
+    assert results["reserve-current"].recompute_tokens > 0
+    assert results["reserve-max"].preemptions == 0
+    assert results["reserve-max"].recompute_tokens == 0
+    for r in results.values():
+        assert r.hard_max_violations == 0 and r.silent_truncations == 0
+
+
+def test_abandoned_request_keeps_decoding_until_abort_confirmed() -> None:
+    trace = Workload(name="one", requests=[TraceRequest(arrival_s=0.0, prompt_tokens=64,
+                                                        output_tokens=2000)])
+    base = Scenario(interactive_share=1.0, abandon_share=1.0, abandon_mean_s=1.0)
+    (req,) = apply_scenario(trace, base)
+    assert req.abandon_after_s is not None
+    slow = attrs.evolve(SMALL_ENGINE, abort_latency_s=2.0)
+    fast = attrs.evolve(SMALL_ENGINE, abort_latency_s=0.0)
+    r_slow = simulate([req], base, slow, "reserve-max")
+    r_fast = simulate([req], base, fast, "reserve-max")
+    assert r_slow.abandoned == r_fast.abandoned == 1
+    # two more seconds of decoding at ~10 ms per step: ~200 more wasted tokens
+    assert r_slow.wasted_decoded_tokens - r_fast.wasted_decoded_tokens > 100
+
+
+def test_single_request_timing_matches_the_step_model() -> None:
+    trace = Workload(name="one", requests=[TraceRequest(arrival_s=0.0, prompt_tokens=100,
+                                                        output_tokens=10)])
+    sc = Scenario(interactive_share=1.0, abandon_share=0.0)
+    (req,) = apply_scenario(trace, sc)
+    r = simulate([req], sc, SMALL_ENGINE, "reserve-max")
+    step = SMALL_ENGINE.step
+    assert r.completed == 1 and r.good == 1
+    # first token after the prefill step: fixed + 100 x prefill
+    assert r.ttft_p50_s == pytest.approx(step.fixed_s + 100 * step.prefill_per_token_s)
+    assert r.decoded_tokens == 10

