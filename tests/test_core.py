@@ -208,7 +208,9 @@ def test_charge_bad_token_counts(tokens: object) -> None:
 
 def test_charge_past_grant_and_hard_max() -> None:
     s = Scheduler(
-        Capacity(64, 4), policy=Fixed(allowance=8, step=None), config=SchedulerConfig(slack_tokens=2)
+        Capacity(64, 4),
+        policy=Fixed(allowance=8, step=None),
+        config=SchedulerConfig(slack_tokens=2),
     )
     s.arrive("a", spec(max_tokens=40), 0.0)
     b = s.requests["a"].boundary
@@ -502,7 +504,10 @@ def test_unconfirmed_flag_belongs_to_one_stop() -> None:
     s.charge("c", 4, 0.0)
     s.boundary_reached("c", 0.0)  # c extends... or a/b: fill the cache
     for rid in ("a", "b", "c"):
-        if s.requests[rid].state is State.RUNNING and s.requests[rid].generated >= s.requests[rid].boundary:
+        if (
+            s.requests[rid].state is State.RUNNING
+            and s.requests[rid].generated >= s.requests[rid].boundary
+        ):
             s.boundary_reached(rid, 0.0)
     pre = [r for r in s.requests.values() if r.state is State.PREEMPTING]
     assert pre, "one request checkpointed itself"

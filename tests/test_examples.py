@@ -254,20 +254,25 @@ def test_client_that_disconnects_returns_its_kv(http_url: str, servers: dict[str
     for _attempt in range(ATTEMPTS):
         idle = _wait_idle(http_url)
         async def main() -> dict[str, Any]:
-            held: dict[str, Any] = {}
+            import httpx
+
             client = _client(http_url)
-            stream = await client.completions.create(
-                model=servers["model"], prompt="a long story", max_tokens=CANCEL_LEN,
-                stream=True, extra_body={"ignore_eos": True},
-            )
-            n = 0
-            async for _chunk in stream:
-                n += 1
-                if n == 5:
-                    held = await asyncio.to_thread(_snapshot, http_url)
-                    break
-            await stream.close()  # the client goes away half-way
-            return held
+            async with httpx.AsyncClient(timeout=5) as http:
+                stream = await client.completions.create(
+                    model=servers["model"], prompt="a long story", max_tokens=CANCEL_LEN,
+                    stream=True, extra_body={"ignore_eos": True},
+                )
+                n, held = 0, None
+                async for _chunk in stream:
+                    n += 1
+                    if n == 1:  # look at the budget while the stream runs ...
+                        held = asyncio.create_task(http.get(f"{http_url}/kvbudget/snapshot"))
+                    if n == 5:
+                        break
+                await stream.close()  # ... and go away half-way
+                assert held is not None
+                data: dict[str, Any] = (await held).json()
+                return data
 
         held = asyncio.run(main())
         snap = _wait_idle(http_url)  # blocks back once the engine confirmed the abort
@@ -490,13 +495,16 @@ def test_grpc_streams_cancels_and_is_exhausted(grpc_target: str) -> None:
                 call = stub.Generate(pb.GenerateRequest(
                     prompt="cancel me", max_tokens=CANCEL_LEN, ignore_eos=True, tenant=tenant,
                 ))
-                n, held = 0, {}
+                n, task = 0, None
                 async for _m in call:
                     n += 1
+                    if n == 1:  # look at the budget while the stream runs ...
+                        task = asyncio.create_task(_grpc_snapshot(stub, pb))
                     if n == 5:
-                        held = await _grpc_snapshot(stub, pb)
-                        call.cancel()
+                        call.cancel()  # ... and go away half-way
                         break
+                assert task is not None
+                held = await task
                 snap = await _grpc_wait_idle(stub, pb)
                 if snap["totals"]["completed"] > idle["totals"]["completed"]:
                     continue  # the stream ended before the client left (a loaded machine)

@@ -168,7 +168,7 @@ def request_specs(
             service_class=draw(st.sampled_from(list(classes))),
             tenant=draw(st.sampled_from(list(tenants))),
             task=draw(st.sampled_from(["chat", "code"])),
-            on_exhausted=draw(st.sampled_from(list(on_exhausted))),  # type: ignore[arg-type]
+            on_exhausted=draw(st.sampled_from(list(on_exhausted))),
             deadline=deadline,
         )
 
@@ -333,10 +333,14 @@ class BudgetStateMachine(RuleBasedStateMachine):
         defaults, interactive and batch, when None).
         """
         fac: PolicyFactory = policy_factory(factory) if isinstance(factory, str) else factory
-        table = tuple(class_table(tuple(classes)).values()) if classes is not None else (
-            DEFAULT_CLASSES
+        table = (
+            tuple(class_table(tuple(classes)).values())
+            if classes is not None
+            else (DEFAULT_CLASSES)
         )
-        label = name or (factory if isinstance(factory, str) else getattr(factory, "name", "custom"))
+        label = name or (
+            factory if isinstance(factory, str) else getattr(factory, "name", "custom")
+        )
         attrs_: dict[str, Any] = {
             "policy_factory": staticmethod(fac),
             "fixed_capacity": capacity,
@@ -400,17 +404,23 @@ class BudgetStateMachine(RuleBasedStateMachine):
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _pick(self, i: int, phases: tuple[str, ...], pred: Callable[[_Shadow], bool] | None = None) -> _Shadow | None:
+    def _pick(
+        self, i: int, phases: tuple[str, ...], pred: Callable[[_Shadow], bool] | None = None
+    ) -> _Shadow | None:
         cands = [
             sh for sh in self.shadows.values() if sh.phase in phases and (pred is None or pred(sh))
         ]
         return cands[i % len(cands)] if cands else None
 
     def _has(self, phases: tuple[str, ...], pred: Callable[[_Shadow], bool] | None = None) -> bool:
-        return any(sh.phase in phases and (pred is None or pred(sh)) for sh in self.shadows.values())
+        return any(
+            sh.phase in phases and (pred is None or pred(sh)) for sh in self.shadows.values()
+        )
 
     def _expect_error(
-        self, kinds: type[BaseException] | tuple[type[BaseException], ...], call: Callable[[], object]
+        self,
+        kinds: type[BaseException] | tuple[type[BaseException], ...],
+        call: Callable[[], object],
     ) -> BaseException:
         before = fingerprint(self.sched)
         try:
@@ -665,7 +675,9 @@ class BudgetStateMachine(RuleBasedStateMachine):
     def _gen_limit(self, sh: _Shadow) -> int:
         return min(sh.true_len, sh.boundary + self.slack, sh.spec.hard_max)
 
-    @precondition(lambda self: self._has(("running",), lambda sh: sh.generated < self._gen_limit(sh)))
+    @precondition(
+        lambda self: self._has(("running",), lambda sh: sh.generated < self._gen_limit(sh))
+    )
     @rule(i=st.integers(0, 1000), n=st.integers(1, 40), into_slack=st.booleans())
     def generate(self, i: int, n: int, into_slack: bool) -> None:
         self._rule()
@@ -685,7 +697,10 @@ class BudgetStateMachine(RuleBasedStateMachine):
         self._call(f"charge:{rid}", go)
 
     @precondition(lambda self: self._has(("running",)))
-    @rule(i=st.integers(0, 1000), kind=st.sampled_from(["hard", "grant", "zero", "neg", "bool", "float"]))
+    @rule(
+        i=st.integers(0, 1000),
+        kind=st.sampled_from(["hard", "grant", "zero", "neg", "bool", "float"]),
+    )
     def overcharge(self, i: int, kind: str) -> None:
         self._rule()
         sh = self._pick(i, ("running",))
@@ -695,11 +710,15 @@ class BudgetStateMachine(RuleBasedStateMachine):
         hard_room = sh.spec.hard_max - sh.generated
         grant_room = sh.boundary + self.slack - sh.generated
         if kind == "hard":
-            e = self._expect_error(HardLimitExceeded, lambda: s.charge(rid, hard_room + 1, self.now))
+            e = self._expect_error(
+                HardLimitExceeded, lambda: s.charge(rid, hard_room + 1, self.now)
+            )
             assert isinstance(e, HardLimitExceeded) and e.hard_max == sh.spec.hard_max
         elif kind == "grant":
             if grant_room + 1 > hard_room:
-                self._expect_error(HardLimitExceeded, lambda: s.charge(rid, grant_room + 1, self.now))
+                self._expect_error(
+                    HardLimitExceeded, lambda: s.charge(rid, grant_room + 1, self.now)
+                )
             else:
                 e = self._expect_error(
                     GrantExceeded, lambda: s.charge(rid, grant_room + 1, self.now)
@@ -778,7 +797,12 @@ class BudgetStateMachine(RuleBasedStateMachine):
             assert actions == [] and fingerprint(s) == before, "a second stop changed the state"
         self._apply(actions, f"cancel:{rid}", free_before)
 
-    @precondition(lambda self: self._has(("running",)) or self._has(("stopped",), lambda sh: sh.stop_kind == "preempt" and sh.end is None))
+    @precondition(
+        lambda self: (
+            self._has(("running",))
+            or self._has(("stopped",), lambda sh: sh.stop_kind == "preempt" and sh.end is None)
+        )
+    )
     @rule(i=st.integers(0, 1000))
     def engine_fails(self, i: int) -> None:
         self._rule()
@@ -803,7 +827,10 @@ class BudgetStateMachine(RuleBasedStateMachine):
     # -- rules: the engine frees KV and confirms ---------------------------------------------
 
     @precondition(lambda self: bool(self.stale))
-    @rule(i=st.integers(0, 1000), fate=st.sampled_from(["confirm", "confirm", "delay", "lose", "duplicate"]))
+    @rule(
+        i=st.integers(0, 1000),
+        fate=st.sampled_from(["confirm", "confirm", "delay", "lose", "duplicate"]),
+    )
     def engine_frees(self, i: int, fate: str) -> None:
         self._rule()
         keys = sorted(self.stale)
@@ -842,6 +869,10 @@ class BudgetStateMachine(RuleBasedStateMachine):
     @rule()
     def reconcile(self) -> None:
         self._rule()
+        used = self._engine_used()
+        self._call("reconcile", lambda: self.sched.reconcile(used, self.now))
+
+    def _reconcile_now(self) -> None:
         used = self._engine_used()
         self._call("reconcile", lambda: self.sched.reconcile(used, self.now))
 
@@ -943,7 +974,9 @@ class BudgetStateMachine(RuleBasedStateMachine):
         slack = self.slack
         # 1. blocks add up, from the harness's own account
         held = sum(sh.blocks for sh in self.shadows.values())
-        assert held == led.reserved, f"harness sees {held} blocks granted, ledger {led.reserved} (inv. 1)"
+        assert held == led.reserved, (
+            f"harness sees {held} blocks granted, ledger {led.reserved} (inv. 1)"
+        )
         assert 0 <= led.reserved <= cap.blocks, (led.reserved, cap.blocks)
         assert led.reserved + led.free == cap.blocks
         snap = s.snapshot()
@@ -981,7 +1014,8 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 stale_ledger += sh.blocks
                 unconf += sh.unconfirmed
                 assert req.unconfirmed == sh.unconfirmed, (
-                    f"{req!r}: unconfirmed={req.unconfirmed}, harness says {sh.unconfirmed} (inv. 4)"
+                    f"{req!r}: unconfirmed={req.unconfirmed}, harness says {sh.unconfirmed} "
+                    "(inv. 4)"
                 )
             elif sh.phase == "queued":
                 assert req.state is State.QUEUED, req
@@ -989,7 +1023,10 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 assert req.state is State.CHECKPOINTED, req
             if sh.phase in ("running", "stopped"):
                 # 3. tokens stay inside the grant and its slack; blocks cover the tokens
-                assert sh.blocks > 0, (req, "a stopped request lost its blocks unconfirmed (inv. 4)")
+                assert sh.blocks > 0, (
+                    req,
+                    "a stopped request lost its blocks unconfirmed (inv. 4)",
+                )
                 assert sh.generated <= sh.boundary + slack, (req, sh.boundary, slack)
                 assert sh.blocks >= blocks_for(prompt + sh.generated, bs), req
                 assert req.boundary == sh.boundary, (req, sh.boundary)
@@ -1047,8 +1084,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 # confirmations were lost: let them time out, then reconcile
                 self.now += self.confirm_timeout_s + 0.5
                 self._tick()
-                used = self._engine_used()
-                self._call("reconcile", lambda: s.reconcile(used, self.now))
+                self._reconcile_now()
             self._call("step", lambda: s.observe_step(0, 0, 0.001, self.now))
             for sh in list(self.shadows.values()):
                 if sh.phase != "running":
@@ -1074,7 +1110,11 @@ class BudgetStateMachine(RuleBasedStateMachine):
 
                     self._call(f"finish:{rid}", fin)
                 else:
-                    self._call(f"boundary:{rid}", lambda rid=rid: s.boundary_reached(rid, self.now))
+
+                    def blocked(rid: str = rid) -> Sequence[ev.Action]:
+                        return s.boundary_reached(rid, self.now)
+
+                    self._call(f"boundary:{rid}", blocked)
             self.now += 0.05
             self._tick()
             self.verify()
@@ -1093,4 +1133,3 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 assert "Continue" in sh.actions, sh
             elif sh.end == "failed":
                 assert {"Abort", "Reject", "sent:fail"} & set(sh.actions), sh
-

@@ -1,0 +1,161 @@
+"""Cost of the core's hot paths with 1,000 active grants.
+
+* ``charge``: ``Scheduler.charge`` of one generated token on a running request far from its
+  boundary (the per-token path);
+* ``admit``: an ``arrive`` that is admitted at once;
+* ``extend``: a ``charge`` that crosses the ask-ahead point and triggers an ``Extend``.
+
+Each figure is the median over many batches of the per-operation time (``perf_counter_ns``).
+Targets: charge <= 1 us, admit and extend <= 20 us each at 1,000 active grants.
+The last line printed is one JSON object with the three medians.
+
+Run: ``python benchmarks/core_hot_path.py`` (``--quick`` for fewer repetitions).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+
+from kvbudget.core import events as ev
+from kvbudget.core.lengths import LengthModel
+from kvbudget.core.model import CalibrationKey, Capacity, RequestSpec
+from kvbudget.core.policy import CalibratedPolicy
+from kvbudget.core.scheduler import Scheduler
+
+ACTIVE = 1000
+BLOCK = 16
+
+
+def warm_lengths() -> LengthModel:
+    """A length model that has seen traffic (calibrated answers, not the prior)."""
+    rng = random.Random(0)
+    lengths = LengthModel()
+    for cls in ("interactive", "batch"):
+        key = CalibrationKey(service_class=cls, task="chat")
+        for _ in range(2000):
+            lengths.observe(key, max(1, int(rng.lognormvariate(5.0, 0.8))))
+    return lengths
+
+
+def build(extra_blocks: int = 0) -> Scheduler:
+    """A scheduler with ACTIVE running batch grants and room for more admissions."""
+    s = Scheduler(
+        Capacity(ACTIVE * 40 + extra_blocks, BLOCK),
+        policy=CalibratedPolicy(),
+        lengths=warm_lengths(),
+    )
+    spec = RequestSpec(64, 4096, 8192, service_class="batch", task="chat")
+    for i in range(ACTIVE):
+        actions = s.arrive(f"a{i}", spec, 0.0)
+        assert any(isinstance(a, ev.Admit) for a in actions), "setup could not admit"
+        s.charge(f"a{i}", 1, 0.0)
+    assert s.active == ACTIVE
+    return s
+
+
+def bench_charge(repeats: int) -> float:
+    """ns per charge of one token on a running request far from its boundary."""
+    s = build()
+    ids = [f"a{i}" for i in range(ACTIVE)]
+    per_op: list[float] = []
+    now = 0.0
+    batch = 200
+    for _ in range(repeats):
+        # keep every request far from its boundary: reset the generated count (bench only)
+        for rid in ids[:batch]:
+            r = s.requests[rid]
+            if r.ask_at - r.generated < 8:
+                r.generated = 1
+        rids = ids[:batch]
+        charge = s.charge
+        t0 = time.perf_counter_ns()
+        for rid in rids:
+            charge(rid, 1, now)
+        t1 = time.perf_counter_ns()
+        per_op.append((t1 - t0) / batch)
+        ids = ids[batch:] + ids[:batch]
+    return statistics.median(per_op)
+
+
+def bench_admit(repeats: int, batch: int = 50) -> float:
+    """us per admitted arrival, with ACTIVE (to ACTIVE + batch) grants live.
+
+    Admissions come in batches of ``batch``; between batches the admitted requests finish and
+    are confirmed (untimed), so the length model changes and its cached quantiles are
+    recomputed by the next admission. ``batch=1``: a finish between every two admissions.
+    """
+    s = build(extra_blocks=(batch + 1) * 64)
+    spec = RequestSpec(64, 4096, 8192, service_class="batch", task="chat")
+    per_op: list[float] = []
+    k = 0
+    while len(per_op) < repeats:
+        rids = [f"n{k + j}" for j in range(batch)]
+        k += batch
+        for rid in rids:
+            t0 = time.perf_counter_ns()
+            actions = s.arrive(rid, spec, 0.0)
+            t1 = time.perf_counter_ns()
+            assert actions and isinstance(actions[0], ev.Admit), actions
+            per_op.append((t1 - t0) / 1000)
+        for rid in rids:
+            s.finish(rid, "stop", 0.0)
+            s.confirm_release(rid, 0.0)
+    return statistics.median(per_op)
+
+
+def bench_extend(repeats: int) -> float:
+    """us per charge that crosses the ask-ahead point and gets an Extend."""
+    s = build(extra_blocks=repeats * 64)
+    ids = [f"a{i}" for i in range(ACTIVE)]
+    per_op: list[float] = []
+    k = 0
+    while len(per_op) < repeats:
+        rid = ids[k % ACTIVE]
+        k += 1
+        r = s.requests[rid]
+        if r.boundary >= r.hard_max - 1 or r.ask_at > r.hard_max:
+            continue
+        step = r.ask_at - r.generated
+        if step < 1:
+            continue
+        if step > 1:
+            s.charge(rid, step - 1, 0.0)  # just before the ask-ahead point
+        t0 = time.perf_counter_ns()
+        actions = s.charge(rid, 1, 0.0)
+        t1 = time.perf_counter_ns()
+        if not any(isinstance(a, ev.Extend) for a in actions):
+            continue
+        per_op.append((t1 - t0) / 1000)
+    return statistics.median(per_op)
+
+
+def main(argv: list[str]) -> None:
+    quick = "--quick" in argv
+    gc.collect()
+    charge_ns = bench_charge(300 if quick else 3000)
+    admit_us = bench_admit(300 if quick else 2000)
+    admit_each_us = bench_admit(300 if quick else 2000, batch=1)
+    extend_us = bench_extend(300 if quick else 2000)
+    print(f"charge: {charge_ns:.0f} ns/op (target <= 1000)")
+    print(f"admit at {ACTIVE} active: {admit_us:.2f} us/op (target <= 20)")
+    print(f"extend at {ACTIVE} active: {extend_us:.2f} us/op (target <= 20)")
+    print(f"admit at {ACTIVE} active, a finish before every admission: {admit_each_us:.2f} us/op")
+    print(
+        json.dumps(
+            {
+                "charge_ns_median": round(charge_ns, 1),
+                "admit_us_median_at_1000": round(admit_us, 2),
+                "extend_us_median_at_1000": round(extend_us, 2),
+                "admit_us_median_at_1000_finish_between": round(admit_each_us, 2),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
