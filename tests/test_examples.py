@@ -2,8 +2,8 @@
 
 Both servers are started ONCE for the module, as subprocesses, exactly as docs/examples.md says
 (``python examples/fastapi_server.py --model DIR ...``, ``python examples/grpc_server.py ...``),
-at the same time (their ~20 s engine starts overlap), with a small KV cache (16 blocks of 32
-tokens: 15 usable, 480 tokens) so that a flood is easy. Readiness is a bounded poll; both are
+at the same time (their ~20 s engine starts overlap), with a small KV cache (24 blocks of 32
+tokens: 23 usable, 736 tokens) so that a flood is easy. Readiness is a bounded poll; both are
 stopped (SIGTERM, then SIGKILL of their process group) at the end.
 """
 
@@ -32,12 +32,12 @@ pytestmark = pytest.mark.vllm
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
-KV_BLOCKS = 16  # 15 usable blocks of 32 tokens
-MAX_MODEL_LEN = 480  # the whole cache: one request could fill it
+KV_BLOCKS = 24  # 23 usable blocks of 32 tokens
+MAX_MODEL_LEN = 736  # the whole cache: one request could fill it
 START_TIMEOUT_S = 150.0
 LONG = 200  # output tokens of a "long" request: 7 blocks with its prompt
-ATTEMPTS = 4  # tries at leaving a stream half-way before it ends by itself
-CANCEL_LEN = 400  # a request that is still running when its client goes away (13 blocks)
+ATTEMPTS = 5  # tries at leaving a stream half-way before it ends by itself
+CANCEL_LEN = 640  # a request that is still running when its client goes away (21 blocks)
 
 
 def _free_port() -> int:
@@ -256,30 +256,32 @@ def test_client_that_disconnects_returns_its_kv(http_url: str, servers: dict[str
         async def main() -> dict[str, Any]:
             import httpx
 
-            client = _client(http_url)
-            async with httpx.AsyncClient(timeout=5) as http:
-                stream = await client.completions.create(
-                    model=servers["model"], prompt="a long story", max_tokens=CANCEL_LEN,
-                    stream=True, extra_body={"ignore_eos": True},
-                )
-                n, held = 0, None
-                async for _chunk in stream:
-                    n += 1
-                    if n == 1:  # look at the budget while the stream runs ...
-                        held = asyncio.create_task(http.get(f"{http_url}/kvbudget/snapshot"))
-                    if n == 5:
-                        break
-                await stream.close()  # ... and go away half-way
-                assert held is not None
-                data: dict[str, Any] = (await held).json()
-                return data
+            body = {"model": servers["model"], "prompt": "a long story",
+                    "max_tokens": CANCEL_LEN, "ignore_eos": True, "stream": True}
+            async with httpx.AsyncClient(timeout=30) as http:
+                await http.get(f"{http_url}/health")  # a warm connection: a fast look below
+                held: dict[str, Any] = {}
+                events = 0
+                async with httpx.AsyncClient(timeout=30) as client, client.stream(
+                    "POST", f"{http_url}/v1/completions", json=body
+                ) as resp:
+                    assert resp.status_code == 200
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        events += 1
+                        if events == 1:  # look at the budget while the stream runs ...
+                            held = (await http.get(f"{http_url}/kvbudget/snapshot")).json()
+                        if events == 5:
+                            break  # ... and go away half-way (the connection is closed)
+                return held
 
         held = asyncio.run(main())
         snap = _wait_idle(http_url)  # blocks back once the engine confirmed the abort
         if snap["totals"]["completed"] > idle["totals"]["completed"]:
             continue  # the stream ended before the client left: try again
-        assert held["active"] == 1
-        assert held["reserved_blocks"] > idle["reserved_blocks"]  # it held a grant
+        assert held["active"] == 1  # it was running ...
+        assert held["reserved_blocks"] > idle["reserved_blocks"]  # ... and held a grant
         assert snap["reserved_blocks"] == idle["reserved_blocks"]
         assert snap["totals"]["cancelled"] == idle["totals"]["cancelled"] + 1
         assert snap["totals"]["tokens"] - idle["totals"]["tokens"] < CANCEL_LEN
@@ -495,16 +497,14 @@ def test_grpc_streams_cancels_and_is_exhausted(grpc_target: str) -> None:
                 call = stub.Generate(pb.GenerateRequest(
                     prompt="cancel me", max_tokens=CANCEL_LEN, ignore_eos=True, tenant=tenant,
                 ))
-                n, task = 0, None
+                n, held = 0, {}
                 async for _m in call:
                     n += 1
                     if n == 1:  # look at the budget while the stream runs ...
-                        task = asyncio.create_task(_grpc_snapshot(stub, pb))
+                        held = await _grpc_snapshot(stub, pb)
                     if n == 5:
                         call.cancel()  # ... and go away half-way
                         break
-                assert task is not None
-                held = await task
                 snap = await _grpc_wait_idle(stub, pb)
                 if snap["totals"]["completed"] > idle["totals"]["completed"]:
                     continue  # the stream ended before the client left (a loaded machine)

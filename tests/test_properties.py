@@ -1,7 +1,8 @@
 """Property tests: the state-machine harness on every shipped policy, plus plain properties.
 
 Profiles (``HYPOTHESIS_PROFILE`` env var): ``ci`` (default: 120 runs of 80 steps per policy,
-about a minute on 2 cores) and ``thorough`` (many more and longer runs, for a change to the core or a policy).
+about a minute on 2 cores) and ``thorough`` (400 runs of 120 steps, for a change to the core or
+a policy).
 """
 
 from __future__ import annotations

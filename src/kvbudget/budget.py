@@ -437,9 +437,10 @@ class Lease:
 class _Holder:
     """Mutable result of one generation while it runs."""
 
-    __slots__ = ("error", "outcome", "preemptions", "tokens")
+    __slots__ = ("error", "lease", "outcome", "preemptions", "tokens")
 
     def __init__(self) -> None:
+        self.lease: Lease | None = None
         self.outcome: Outcome | None = None
         self.tokens = 0
         self.preemptions = 0
@@ -884,9 +885,15 @@ class Budget:
                     await self._deliver(sink, rid, holder)
 
     async def _deliver(self, sink: Sink, rid: str, holder: _Holder) -> None:
+        # the core's word on how the request ended wins over what the shell saw: a caller
+        # cancelled at the instant the core turned it away was rejected, not cancelled
+        req = holder.lease._req if holder.lease is not None else None
+        decided: Outcome | None = (
+            req.outcome.value if req is not None and req.outcome is not None else None
+        )
         result = GenerationResult(
             request_id=rid,
-            outcome=holder.outcome or "cancelled",
+            outcome=decided or holder.outcome or "cancelled",
             tokens=holder.tokens,
             preemptions=holder.preemptions,
             error=holder.error,
@@ -908,6 +915,7 @@ class Budget:
         stall: float | None,
     ) -> AsyncGenerator[GenerationStep, None]:
         lease = self.lease(spec, rid)
+        holder.lease = lease
         clock = self._clock
         try:
             await lease.__aenter__()
