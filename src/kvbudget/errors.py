@@ -128,7 +128,9 @@ class PolicyViolation(KvBudgetError):
 class Overloaded(KvBudgetError):
     """The budget refused a new request at once; try again after ``retry_after`` seconds."""
 
-    def __init__(self, retry_after: float, reason: str = "overloaded", request_id: str = "") -> None:
+    def __init__(
+        self, retry_after: float, reason: str = "overloaded", request_id: str = ""
+    ) -> None:
         self.retry_after = retry_after
         self.reason = reason
         self.request_id = request_id

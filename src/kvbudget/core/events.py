@@ -112,7 +112,7 @@ Event = (
 
 @attrs.frozen(slots=True)
 class Admit:
-    """Start (or resume from ``resume``) the request; its grant covers ``boundary`` output tokens."""
+    """Start (or resume from ``resume``) the request; its grant covers ``boundary`` tokens."""
 
     request_id: str
     boundary: int
@@ -185,4 +185,6 @@ class Released:
 
 Action = Admit | Reject | Extend | Deny | Preempt | Abort | Continue | Released
 
-ActionKind = Literal["admit", "reject", "extend", "deny", "preempt", "abort", "continue", "released"]
+ActionKind = Literal[
+    "admit", "reject", "extend", "deny", "preempt", "abort", "continue", "released"
+]

@@ -129,8 +129,8 @@ class Request:
         "allowance",
         "arrival",
         "ask_at",
-        "blocks",
         "blocked_handled",
+        "blocks",
         "boundary",
         "cls",
         "continuation_seq",
@@ -220,8 +220,8 @@ class Ledger:
     """Block accounting and lifecycle transitions; the scheduler decides, the ledger books."""
 
     __slots__ = (
-        "active_hard_max",
         "active_generated",
+        "active_hard_max",
         "block_size",
         "capacity",
         "headroom_target",

@@ -180,7 +180,9 @@ BATCH = ServiceClass(
 DEFAULT_CLASSES: tuple[ServiceClass, ...] = (INTERACTIVE, BATCH)
 
 
-def class_table(classes: Mapping[str, ServiceClass] | tuple[ServiceClass, ...] | list[ServiceClass] | None) -> dict[str, ServiceClass]:
+def class_table(
+    classes: Mapping[str, ServiceClass] | tuple[ServiceClass, ...] | list[ServiceClass] | None,
+) -> dict[str, ServiceClass]:
     """Normalise a class collection to a name → class dict (defaults when None)."""
     if classes is None:
         classes = DEFAULT_CLASSES
