@@ -120,7 +120,9 @@ class LengthHistogram:
 
     With no data at all, or when censoring leaves the survival above ``1 - q`` everywhere, the
     data cannot bound the quantile and :data:`MAX_TOKENS` is returned (callers cap at the hard
-    maximum). ``version`` changes on every mutation, for callers that cache answers.
+    maximum). ``version`` changes when the answers may change, for callers that cache them: on
+    every merge, and at least every 1/128 of the observations (exact below 128 observations), so
+    answers lag the newest data by under 1 %.
     """
 
     __slots__ = (
@@ -132,6 +134,7 @@ class LengthHistogram:
         "_half_life",
         "_neg_surv",
         "_observations",
+        "_pending",
         "_scale",
         "_surv",
         "_surv_version",
@@ -151,6 +154,7 @@ class LengthHistogram:
         self._censored_total = 0.0
         self._scale = 1.0
         self._observations = 0
+        self._pending = 0
         self._version = 0
         self._surv: list[float] = []
         self._neg_surv: list[float] = []
@@ -215,7 +219,13 @@ class LengthHistogram:
             self._events[j] += scale
             self._events_total += scale
         self._observations += 1
-        self._version += 1
+        # publish a new version at least every 1/128 of the observations: answers (and every
+        # cache keyed on the version) may lag the newest <1% of the data, which keeps an
+        # admission after each finish from rebuilding the survival curve
+        self._pending += 1
+        if self._pending > self._observations >> 7:
+            self._pending = 0
+            self._version += 1
 
     def _renormalise(self, divisor: float) -> None:
         inv = 1.0 / divisor
@@ -242,6 +252,7 @@ class LengthHistogram:
         self._events_total = math.fsum(self._events)
         self._censored_total = math.fsum(self._censored)
         self._observations += other._observations
+        self._pending = 0
         self._version += 1
 
     def copy(self) -> LengthHistogram:

@@ -39,12 +39,12 @@ def check_float(
     open_max: bool = False,
 ) -> float:
     """Return ``value`` as float if finite and in range, else raise InvalidInput."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidInput(field, value, "a finite number")
-    v = float(value)
     lo = "(" if open_min else "["
     hi = ")" if open_max else "]"
     rng = f"in {lo}{minimum}, {'inf' if maximum is None else maximum}{hi}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidInput(field, value, f"a finite number {rng}")
+    v = float(value)
     if not math.isfinite(v):
         raise InvalidInput(field, value, f"a finite number {rng}")
     if v < minimum or (open_min and v == minimum):
@@ -155,8 +155,8 @@ class ServiceClass:
 INTERACTIVE = ServiceClass(
     "interactive",
     priority=0,
-    initial_quantile=0.9,
-    extension_quantile=0.9,
+    initial_quantile=0.5,
+    extension_quantile=0.5,
     max_extension_tokens=512,
     protected=True,
     preemptible=False,

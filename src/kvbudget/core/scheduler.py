@@ -951,9 +951,19 @@ class Scheduler:
             if slack > 0.0 and deficit / self._release_rate(now) <= slack:
                 return
         need = blocks - (self.ledger.free - self.ledger.headroom_target)
+        # A victim whose class is backlogged (more work queued than the whole cache holds, so
+        # more than one turnover of the cache away) is spared: the engine is saturated for that
+        # class, the victim's recompute would displace its work one for one, and the head, served
+        # before that backlog by strict priority, gets the next release anyway.
         candidates = [
-            r for r in self.live.values() if r.cls.preemptible and r.generated < r.hard_max
+            r
+            for r in self.live.values()
+            if r.cls.preemptible
+            and r.generated < r.hard_max
+            and self._queues[r.cls.name].want_blocks <= self.capacity.blocks
         ]
+        if not candidates:
+            return
         victims = self.policy.choose_victims(req, need, candidates)
         for victim in victims:
             if victim is req or victim.state not in _LIVE or victim.generated >= victim.hard_max:
