@@ -104,9 +104,9 @@ async def test_hard_limit() -> None:
 
 async def test_overloaded_at_once_with_retry_after() -> None:
     budget = Budget(Capacity(40, 16), config=SchedulerConfig(max_queued=0))
-    async with budget.lease(spec(max_tokens=600), "big"):
+    async with budget.lease(spec(prompt=400, max_tokens=600), "big"):
         with anyio.fail_after(0.5), pytest.raises(Overloaded) as info:
-            async with budget.lease(spec(max_tokens=600), "late"):
+            async with budget.lease(spec(prompt=400, max_tokens=600), "late"):
                 pass
         err = info.value
         assert err.retry_after > 0 and err.reason == "queue-full" and err.request_id == "late"
@@ -114,12 +114,18 @@ async def test_overloaded_at_once_with_retry_after() -> None:
 
 
 async def test_queued_caller_rejected_by_tick_gets_overloaded() -> None:
-    fast = ServiceClass("interactive", protected=True, preemptible=False, max_queue_delay_s=0.1)
+    fast = ServiceClass(
+        "interactive",
+        protected=True,
+        preemptible=False,
+        max_queue_delay_s=0.1,
+        initial_quantile=0.5,
+    )
     budget = Budget(Capacity(40, 16), classes=[fast, BATCH], tick_interval=0.01)
-    async with budget, budget.lease(spec(max_tokens=600), "big"):
+    async with budget, budget.lease(spec(prompt=400, max_tokens=600), "big"):
         t0 = anyio.current_time()
         with pytest.raises(Overloaded) as info:
-            async with budget.lease(spec(max_tokens=600), "late"):
+            async with budget.lease(spec(prompt=400, max_tokens=600), "late"):
                 pass
         waited = anyio.current_time() - t0
         assert info.value.reason == "queue-timeout" and info.value.retry_after > 0
@@ -129,10 +135,10 @@ async def test_queued_caller_rejected_by_tick_gets_overloaded() -> None:
 
 async def test_cancelled_waiter_leaves_the_queue_at_no_cost() -> None:
     budget = Budget(Capacity(40, 16))
-    async with budget.lease(spec(max_tokens=600), "big"):
+    async with budget.lease(spec(prompt=400, max_tokens=600), "big"):
         before = budget.snapshot()
         with anyio.move_on_after(0.05) as scope:
-            async with budget.lease(spec(max_tokens=600), "waiting"):
+            async with budget.lease(spec(prompt=400, max_tokens=600), "waiting"):
                 pytest.fail("must not be admitted")
         assert scope.cancelled_caught
         after = budget.snapshot()
@@ -145,11 +151,11 @@ async def test_wake_exactly_on_admission_after_confirmation() -> None:
     order: list[str] = []
 
     async def second() -> None:
-        async with budget.lease(spec(max_tokens=600), "second"):
+        async with budget.lease(spec(prompt=400, max_tokens=600), "second"):
             order.append("second-admitted")
 
     async with anyio.create_task_group() as tg:
-        async with budget.lease(spec(max_tokens=600), "first"):
+        async with budget.lease(spec(prompt=400, max_tokens=600), "first"):
             tg.start_soon(second)
             await anyio.sleep(0.02)
             assert budget.snapshot().queued == 1
@@ -545,13 +551,13 @@ async def test_queued_callers_get_budget_closed_at_shutdown() -> None:
 
     async def waiter() -> None:
         try:
-            async with budget.lease(spec(max_tokens=600), "w"):
+            async with budget.lease(spec(prompt=400, max_tokens=600), "w"):
                 pass
         except BudgetClosed as exc:
             got.append(exc)
 
     async with anyio.create_task_group() as tg, budget:
-        hog = await budget.lease(spec(max_tokens=600), "hog").__aenter__()
+        hog = await budget.lease(spec(prompt=400, max_tokens=600), "hog").__aenter__()
         tg.start_soon(waiter)
         await anyio.sleep(0.02)
     assert len(got) == 1 and budget.snapshot().queued == 0
