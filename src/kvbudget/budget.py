@@ -290,8 +290,10 @@ class Lease:
         ckpt = self.checkpoint
         if self._ended and isinstance(self._interrupt, Preempted):
             raise self._interrupt  # its deadline passed while it waited
-        if ckpt is None or self._ended or (
-            self._interrupt is not None and not isinstance(self._interrupt, Preempted)
+        if (
+            ckpt is None
+            or self._ended
+            or (self._interrupt is not None and not isinstance(self._interrupt, Preempted))
         ):
             raise InvalidTransition(self.request_id, self.state, "wait_resumed")
         if self.attempt == self._handed:
@@ -634,7 +636,10 @@ class Budget:
                 lease._attempt_base = a.resume.generated_tokens if a.resume is not None else 0
                 lease._admitted = True
                 self._log(
-                    "admission", lease, boundary=a.boundary, blocks=a.blocks,
+                    "admission",
+                    lease,
+                    boundary=a.boundary,
+                    blocks=a.blocks,
                     resumed=a.resume is not None,
                 )
                 lease._wake()
@@ -646,15 +651,21 @@ class Budget:
                 lease.checkpoint = a.checkpoint
                 lease._interrupt = Preempted(a.checkpoint, a.recompute_tokens, a.reason)
                 self._log(
-                    "preemption", lease, level="info", reason=a.reason,
-                    recompute_tokens=a.recompute_tokens, generated=a.checkpoint.generated_tokens,
+                    "preemption",
+                    lease,
+                    level="info",
+                    reason=a.reason,
+                    recompute_tokens=a.recompute_tokens,
+                    generated=a.checkpoint.generated_tokens,
                 )
                 lease._wake()
             elif isinstance(a, ev.Continue):
                 lease._ended = True
                 lease._interrupt = ContinuationRequired(a.continuation)
                 self._log(
-                    "continuation", lease, level="info",
+                    "continuation",
+                    lease,
+                    level="info",
                     continuation_id=a.continuation.continuation_id,
                     generated=a.continuation.generated_tokens,
                 )
@@ -681,7 +692,10 @@ class Budget:
                 lease._wake()
             elif isinstance(a, ev.Released):
                 self._log(
-                    "confirmation", lease, blocks=a.blocks, outcome=a.outcome,
+                    "confirmation",
+                    lease,
+                    blocks=a.blocks,
+                    outcome=a.outcome,
                     resumable=a.resumable,
                 )
                 if not a.resumable:
@@ -782,8 +796,10 @@ class Budget:
         not_started = 0
         for lease in self._leases.values():
             req = lease._req
-            if req is not None and req.state in _LIVE and req.generated <= max(
-                lease._attempt_base, 0
+            if (
+                req is not None
+                and req.state in _LIVE
+                and req.generated <= max(lease._attempt_base, 0)
             ):
                 not_started += req.used_blocks
         self._reconciliations += 1
@@ -791,8 +807,10 @@ class Budget:
         released = [a for a in actions if isinstance(a, ev.Released)]
         if released:
             log.info(
-                "reconciliation", released=[a.request_id for a in released],
-                blocks=sum(a.blocks for a in released), engine_used_blocks=engine_used_blocks,
+                "reconciliation",
+                released=[a.request_id for a in released],
+                blocks=sum(a.blocks for a in released),
+                engine_used_blocks=engine_used_blocks,
             )
         self._apply(actions)
 
@@ -956,8 +974,13 @@ class Budget:
                                 lease.finish(reason)
                                 holder.outcome = "completed"
                                 final = GenerationStep(
-                                    step.new_tokens, lease.generated, clock(), resumed, True,
-                                    reason, step.payload,
+                                    step.new_tokens,
+                                    lease.generated,
+                                    clock(),
+                                    resumed,
+                                    True,
+                                    reason,
+                                    step.payload,
                                 )
                                 break
                             raise EngineError(eid, f"the engine ended the stream ({reason!r})")
@@ -965,15 +988,20 @@ class Budget:
                             # (a token booked after a preemption landed is kept in the resume
                             # checkpoint, so the caller gets it too)
                             yield GenerationStep(
-                                step.new_tokens, lease.generated, clock(), resumed,
+                                step.new_tokens,
+                                lease.generated,
+                                clock(),
+                                resumed,
                                 payload=step.payload,
                             )
                             resumed = False
                         if lease._interrupt is not None:
                             raise lease._interrupt
                 except BaseException as exc:
-                    superseded = isinstance(exc, Exception) and not lease._ended and (
-                        lease.attempt != attempt or lease.state in _RELEASED_STATES
+                    superseded = (
+                        isinstance(exc, Exception)
+                        and not lease._ended
+                        and (lease.attempt != attempt or lease.state in _RELEASED_STATES)
                     )
                     if superseded or (
                         isinstance(exc, Preempted) and lease._interrupt is exc and not lease._ended
@@ -1011,9 +1039,7 @@ class Budget:
         else:  # cancellation, GeneratorExit: the caller went away
             lease.cancel()
 
-    async def _pull(
-        self, stream: Any, eid: str, stall: float | None
-    ) -> EngineStep:
+    async def _pull(self, stream: Any, eid: str, stall: float | None) -> EngineStep:
         try:
             if stall is None:
                 return await stream.__anext__()  # type: ignore[no-any-return]

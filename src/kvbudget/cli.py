@@ -147,52 +147,109 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     g = p.add_argument_group("workload")
     g.add_argument("--trace", metavar="PATH", help="trace file (default: built-in synthetic)")
-    g.add_argument("--limit", type=_positive_int, metavar="N",
-                   help="use only the first N requests (synthetic: generate N; default 3000)")
-    g.add_argument("--duration", type=_positive_float, metavar="S",
-                   help="use only requests arriving in the first S seconds (replayed timeline)")
-    g.add_argument("--rate-scale", type=_positive_float, default=1.0, metavar="X",
-                   help="replay X times faster than the workload's own arrivals")
-    g.add_argument("--sweep-rate", type=_float_list, metavar="A,B,C",
-                   help="run at each of these rate multipliers and report goodput against load")
+    g.add_argument(
+        "--limit",
+        type=_positive_int,
+        metavar="N",
+        help="use only the first N requests (synthetic: generate N; default 3000)",
+    )
+    g.add_argument(
+        "--duration",
+        type=_positive_float,
+        metavar="S",
+        help="use only requests arriving in the first S seconds (replayed timeline)",
+    )
+    g.add_argument(
+        "--rate-scale",
+        type=_positive_float,
+        default=1.0,
+        metavar="X",
+        help="replay X times faster than the workload's own arrivals",
+    )
+    g.add_argument(
+        "--sweep-rate",
+        type=_float_list,
+        metavar="A,B,C",
+        help="run at each of these rate multipliers and report goodput against load",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of the workload and scenario")
     g = p.add_argument_group("policies")
-    g.add_argument("--policy", action="append", choices=POLICY_NAMES, metavar="NAME",
-                   help=f"policy to run (repeatable; default: all: {', '.join(POLICY_NAMES)})")
+    g.add_argument(
+        "--policy",
+        action="append",
+        choices=POLICY_NAMES,
+        metavar="NAME",
+        help=f"policy to run (repeatable; default: all: {', '.join(POLICY_NAMES)})",
+    )
     g = p.add_argument_group("scenario")
     g.add_argument("--interactive-share", type=_share, default=0.7)
-    g.add_argument("--abandon-share", type=_share, default=0.1,
-                   help="share of interactive callers that disconnect early")
+    g.add_argument(
+        "--abandon-share",
+        type=_share,
+        default=0.1,
+        help="share of interactive callers that disconnect early",
+    )
     g.add_argument("--max-tokens-interactive", type=_positive_int, default=2048)
     g.add_argument("--max-tokens-batch", type=_positive_int, default=4096)
     g.add_argument("--model-max-len", type=_positive_int, default=8192)
-    g.add_argument("--ttft-slo", type=_positive_float, default=2.0,
-                   help="interactive time-to-first-token objective (s)")
-    g.add_argument("--itl-floor", type=_positive_float, default=0.2,
-                   help="interactive latency floor: slowest allowed inter-token gap (s)")
-    g.add_argument("--batch-deadline", type=_positive_float, default=600.0,
-                   help="batch completion deadline after arrival (s)")
-    g.add_argument("--wave-at", type=_nonneg_float, metavar="S",
-                   help="add a synchronized wave of long interactive outputs at S seconds")
+    g.add_argument(
+        "--ttft-slo",
+        type=_positive_float,
+        default=2.0,
+        help="interactive time-to-first-token objective (s)",
+    )
+    g.add_argument(
+        "--itl-floor",
+        type=_positive_float,
+        default=0.2,
+        help="interactive latency floor: slowest allowed inter-token gap (s)",
+    )
+    g.add_argument(
+        "--batch-deadline",
+        type=_positive_float,
+        default=600.0,
+        help="batch completion deadline after arrival (s)",
+    )
+    g.add_argument(
+        "--wave-at",
+        type=_nonneg_float,
+        metavar="S",
+        help="add a synchronized wave of long interactive outputs at S seconds",
+    )
     g.add_argument("--wave-count", type=_positive_int, default=64)
-    g.add_argument("--wave-tokens", type=_positive_int, default=2000,
-                   help="true output tokens of each wave request")
+    g.add_argument(
+        "--wave-tokens",
+        type=_positive_int,
+        default=2000,
+        help="true output tokens of each wave request",
+    )
     g.add_argument("--wave-prompt-tokens", type=_positive_int, default=512)
     g = p.add_argument_group("engine")
     g.add_argument("--capacity-blocks", type=_positive_int, default=DEFAULT_CAPACITY_BLOCKS)
     g.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE)
     g.add_argument("--max-batch", type=_positive_int, default=DEFAULT_MAX_BATCH)
-    g.add_argument("--prefill-chunk", type=_positive_int, default=DEFAULT_PREFILL_CHUNK_TOKENS,
-                   help="prefill tokens per engine step")
-    g.add_argument("--abort-latency", type=_nonneg_float, default=DEFAULT_ABORT_LATENCY_S,
-                   help="seconds until an abort or preemption is confirmed")
+    g.add_argument(
+        "--prefill-chunk",
+        type=_positive_int,
+        default=DEFAULT_PREFILL_CHUNK_TOKENS,
+        help="prefill tokens per engine step",
+    )
+    g.add_argument(
+        "--abort-latency",
+        type=_nonneg_float,
+        default=DEFAULT_ABORT_LATENCY_S,
+        help="seconds until an abort or preemption is confirmed",
+    )
     g.add_argument("--step-fixed-ms", type=_nonneg_float, help="decode step fixed cost (ms)")
-    g.add_argument("--step-per-seq-us", type=_nonneg_float,
-                   help="decode step cost per running sequence (us)")
-    g.add_argument("--step-per-token-ns", type=_nonneg_float,
-                   help="decode step cost per context token (ns)")
-    g.add_argument("--prefill-per-token-us", type=_nonneg_float,
-                   help="prefill cost per prompt token (us)")
+    g.add_argument(
+        "--step-per-seq-us", type=_nonneg_float, help="decode step cost per running sequence (us)"
+    )
+    g.add_argument(
+        "--step-per-token-ns", type=_nonneg_float, help="decode step cost per context token (ns)"
+    )
+    g.add_argument(
+        "--prefill-per-token-us", type=_nonneg_float, help="prefill cost per prompt token (us)"
+    )
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     g.add_argument("--plot", metavar="PATH", help="write a PNG chart")
@@ -292,9 +349,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
         def progress(i: int, share: float, _k: int = k, _rate: float = rates[k]) -> None:
             if bar is not None:
-                bar.update(
-                    _k * len(policies) + i + share, f"{policies[i]} at x{_rate:g}"
-                )
+                bar.update(_k * len(policies) + i + share, f"{policies[i]} at x{_rate:g}")
 
         results = run_policies(
             requests, scenario, engine, policies, seed=args.seed, progress=progress

@@ -67,80 +67,120 @@ class EventSpec:
 
 _EVENT_LIST: tuple[EventSpec, ...] = (
     EventSpec(
-        "admission", "debug", ("boundary", "blocks", "resumed"),
+        "admission",
+        "debug",
+        ("boundary", "blocks", "resumed"),
         "the request was admitted (or re-admitted after a preemption: resumed=True) with a grant "
         "of `blocks` blocks covering `boundary` output tokens",
     ),
     EventSpec(
-        "extension", "debug", ("boundary", "blocks"),
+        "extension",
+        "debug",
+        ("boundary", "blocks"),
         "the grant grew to cover `boundary` output tokens (`blocks` blocks in all)",
     ),
     EventSpec(
-        "denial", "debug", ("reason",),
+        "denial",
+        "debug",
+        ("reason",),
         "an extension could not be granted now; the request waits at its boundary (or the "
         "policy preempts, checkpoints or continues it)",
     ),
     EventSpec(
-        "preemption", "info", ("reason", "recompute_tokens", "generated"),
+        "preemption",
+        "info",
+        ("reason", "recompute_tokens", "generated"),
         "the request was preempted; it keeps a checkpoint of `generated` tokens and resuming "
         "it costs `recompute_tokens` of re-prefill",
     ),
     EventSpec(
-        "continuation", "info", ("continuation_id", "generated"),
+        "continuation",
+        "info",
+        ("continuation_id", "generated"),
         "the request ended with an explicit continuation (on_exhausted='continue') instead of "
         "waiting for its grant to grow",
     ),
     EventSpec(
-        "abort", "info", ("reason",),
+        "abort",
+        "info",
+        ("reason",),
         "the core told the engine to abort the request (reason 'cancelled': the caller left; "
         "'capacity-exhausted': it needs more KV than the engine has)",
     ),
     EventSpec(
-        "rejection", "info", ("reason", "retry_after"),
+        "rejection",
+        "info",
+        ("reason", "retry_after"),
         "overload: the request was refused at once (Overloaded, HTTP 429, RESOURCE_EXHAUSTED); "
         "the caller was told to retry after `retry_after` seconds",
     ),
     EventSpec(
-        "confirmation", "debug", ("blocks", "outcome", "resumable"),
+        "confirmation",
+        "debug",
+        ("blocks", "outcome", "resumable"),
         "the engine confirmed the stop; `blocks` blocks returned to the budget",
     ),
     EventSpec(
-        "finished", "debug", ("reason", "generated"),
+        "finished",
+        "debug",
+        ("reason", "generated"),
         "the request stopped by itself (reason 'stop') or at its hard max ('length')",
     ),
     EventSpec(
-        "cancelled", "debug", ("generated",),
+        "cancelled",
+        "debug",
+        ("generated",),
         "the caller gave the request up (disconnect, cancellation)",
     ),
     EventSpec(
-        "failed", "warning", ("detail",),
+        "failed",
+        "warning",
+        ("detail",),
         "the engine failed the request; its blocks stay charged until confirmed",
     ),
     EventSpec(
-        "unconfirmed", "info", ("engine_request_id",),
+        "unconfirmed",
+        "info",
+        ("engine_request_id",),
         "the engine did not confirm a stop within confirm_timeout; the blocks stay charged "
         "until a reconciliation releases them",
     ),
     EventSpec(
-        "duplicate_confirmation", "info", ("why",),
+        "duplicate_confirmation",
+        "info",
+        ("why",),
         "a confirmation for a stop already released (or for an earlier attempt) was swallowed",
         per_request=False,
     ),
     EventSpec(
-        "reconciliation", "info", ("released", "blocks", "engine_used_blocks"),
+        "reconciliation",
+        "info",
+        ("released", "blocks", "engine_used_blocks"),
         "unconfirmed stops whose blocks the engine no longer holds were released",
         per_request=False,
     ),
     EventSpec(
-        "drift", "warning", ("drift_blocks", "engine_used_blocks", "ledger_used_blocks"),
+        "drift",
+        "warning",
+        ("drift_blocks", "engine_used_blocks", "ledger_used_blocks"),
         "the engine's reported KV usage differs from what the ledger expects (positive: the "
         "engine holds more than kvbudget thinks)",
         emitted_by="kvbudget.observability.log_drift (adapters)",
         per_request=False,
     ),
     EventSpec(
-        "snapshot", "info", ("reserved_blocks", "used_blocks", "free_blocks", "active",
-                             "queued", "releasing", "unconfirmed_releasing", "drift_blocks"),
+        "snapshot",
+        "info",
+        (
+            "reserved_blocks",
+            "used_blocks",
+            "free_blocks",
+            "active",
+            "queued",
+            "releasing",
+            "unconfirmed_releasing",
+            "drift_blocks",
+        ),
         "a periodic summary of the budget (kvbudget.observability.log_snapshot)",
         emitted_by="kvbudget.observability.log_snapshot (applications)",
         per_request=False,
@@ -179,7 +219,9 @@ def log_drift(drift_blocks: int, engine_used_blocks: int, ledger_used_blocks: in
     """Log reconciliation drift (a ``drift`` warning) when it is not zero."""
     if drift_blocks:
         get_logger().warning(
-            "drift", drift_blocks=drift_blocks, engine_used_blocks=engine_used_blocks,
+            "drift",
+            drift_blocks=drift_blocks,
+            engine_used_blocks=engine_used_blocks,
             ledger_used_blocks=ledger_used_blocks,
         )
 
@@ -270,8 +312,18 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
 
 
 _TABLE_COUNTERS: Final[tuple[str, ...]] = (
-    "admitted", "completed", "rejected", "cancelled", "continued", "failed", "preemptions",
-    "extensions", "extensions_denied", "unconfirmed", "tokens", "wasted_tokens",
+    "admitted",
+    "completed",
+    "rejected",
+    "cancelled",
+    "continued",
+    "failed",
+    "preemptions",
+    "extensions",
+    "extensions_denied",
+    "unconfirmed",
+    "tokens",
+    "wasted_tokens",
 )
 
 
@@ -315,7 +367,8 @@ GAUGES: Final[Mapping[str, tuple[str, str]]] = {
     "capacity_blocks": ("capacity_blocks", "KV blocks the engine holds."),
     "block_size_tokens": ("block_size", "Tokens per KV block."),
     "reserved_blocks": (
-        "reserved_blocks", "KV blocks held by grants (including stops awaiting confirmation).",
+        "reserved_blocks",
+        "KV blocks held by grants (including stops awaiting confirmation).",
     ),
     "used_blocks": ("used_blocks", "KV blocks the generated tokens really occupy."),
     "free_blocks": ("free_blocks", "capacity - reserved."),
@@ -323,19 +376,23 @@ GAUGES: Final[Mapping[str, tuple[str, str]]] = {
     "headroom_blocks": ("headroom_blocks", "The headroom target admissions must leave free."),
     "headroom_free_blocks": ("headroom_free_blocks", "The part of the headroom still free."),
     "protected_blocks": (
-        "protected_blocks", "Headroom protected for interactive extensions only.",
+        "protected_blocks",
+        "Headroom protected for interactive extensions only.",
     ),
     "admission_free_blocks": (
-        "admission_free_blocks", "Blocks new admissions may take now.",
+        "admission_free_blocks",
+        "Blocks new admissions may take now.",
     ),
     "active_requests": ("active", "Requests admitted and not yet stopped."),
     "queued_requests": ("queued", "Requests waiting for admission or resumption."),
     "releasing_requests": ("releasing", "Stopped requests awaiting engine confirmation."),
     "unconfirmed_requests": (
-        "unconfirmed_releasing", "Stops not confirmed within the confirm timeout.",
+        "unconfirmed_releasing",
+        "Stops not confirmed within the confirm timeout.",
     ),
     "drift_blocks": (
-        "drift_blocks", "Last reconciliation: engine-reported minus ledger-expected blocks.",
+        "drift_blocks",
+        "Last reconciliation: engine-reported minus ledger-expected blocks.",
     ),
 }
 
@@ -359,7 +416,8 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     "extensions_granted": ("extensions", "Grant extensions granted."),
     "extensions_denied": ("extensions_denied", "Grant extensions denied (the request waited)."),
     "unconfirmed_aborts": (
-        "unconfirmed", "Stops the engine did not confirm within the confirm timeout.",
+        "unconfirmed",
+        "Stops the engine did not confirm within the confirm timeout.",
     ),
     "reconciled": ("reconciled", "Unconfirmed stops released by reconciliation."),
     "drift_events": ("drift_events", "Reconciliations that found drift."),
@@ -368,10 +426,12 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
 #: the budget shell's own counters (only when the exporter reads a Budget)
 SHELL_COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     "shell_duplicate_confirms": (
-        "duplicate_confirms", "Stale or duplicated engine confirmations swallowed.",
+        "duplicate_confirms",
+        "Stale or duplicated engine confirmations swallowed.",
     ),
     "shell_confirm_timeouts": (
-        "confirm_timeouts", "Engine confirmations that did not come within the timeout.",
+        "confirm_timeouts",
+        "Engine confirmations that did not come within the timeout.",
     ),
     "shell_engine_errors": ("engine_errors", "Requests failed by engine errors."),
     "shell_reconciliations": ("reconciliations", "Reconciliation passes run."),
@@ -380,19 +440,23 @@ SHELL_COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
 #: underestimation gauges: name -> (UnderestimationStats field, help)
 UNDERESTIMATION: Final[Mapping[str, tuple[str, str]]] = {
     "underestimation_rate": (
-        "rate", "Fraction of requests whose initial allowance fell short of their length.",
+        "rate",
+        "Fraction of requests whose initial allowance fell short of their length.",
     ),
     "underestimation_coverage": ("coverage", "1 - underestimation rate."),
     "underestimation_target": ("target", "Mean quantile the allowances were asked at."),
     "underestimation_samples": ("count", "Finished requests the rate is computed over."),
     "underestimation_shortfall_p50_tokens": (
-        "shortfall_p50", "p50 of (true length - initial allowance) over underestimated requests.",
+        "shortfall_p50",
+        "p50 of (true length - initial allowance) over underestimated requests.",
     ),
     "underestimation_shortfall_p90_tokens": (
-        "shortfall_p90", "p90 of (true length - initial allowance) over underestimated requests.",
+        "shortfall_p90",
+        "p90 of (true length - initial allowance) over underestimated requests.",
     ),
     "underestimation_shortfall_p99_tokens": (
-        "shortfall_p99", "p99 of (true length - initial allowance) over underestimated requests.",
+        "shortfall_p99",
+        "p99 of (true length - initial allowance) over underestimated requests.",
     ),
 }
 

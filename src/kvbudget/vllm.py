@@ -463,8 +463,8 @@ class _RequestEngine:
             while True:
                 if seg.consumed < 0:  # the paused segment ended: the grant has grown since
                     if self.caller_abort:
-                        raise _CallerAbort() if not self.durable else RequestAborted(
-                            self.request_id
+                        raise (
+                            _CallerAbort() if not self.durable else RequestAborted(self.request_id)
                         )
                     k += 1
                     seg = await self._submit(request_id, k, max_tokens)
@@ -503,8 +503,10 @@ class _RequestEngine:
                         comp.stop_reason = None
                         seg.consumed = -1
                         if self.caller_abort:
-                            raise _CallerAbort() if not self.durable else RequestAborted(
-                                self.request_id
+                            raise (
+                                _CallerAbort()
+                                if not self.durable
+                                else RequestAborted(self.request_id)
                             )
                         if n:
                             yield EngineStep(n, payload=out)
@@ -607,14 +609,13 @@ class BudgetedEngine:
         self.capacity = Capacity(blocks=total - 1, block_size=cache.block_size)
         self.max_model_len: int = vc.model_config.max_model_len
         self.max_num_seqs: int = vc.scheduler_config.max_num_seqs
-        self.model_name = model or str(getattr(vc.model_config, "served_model_name", None)
-                                       or vc.model_config.model)
+        self.model_name = model or str(
+            getattr(vc.model_config, "served_model_name", None) or vc.model_config.model
+        )
         self.stats = stats if stats is not None else _attach_stats(engine)
         cfg = config or SchedulerConfig()
         max_active = (
-            self.max_num_seqs
-            if cfg.max_active is None
-            else min(cfg.max_active, self.max_num_seqs)
+            self.max_num_seqs if cfg.max_active is None else min(cfg.max_active, self.max_num_seqs)
         )
         slack = cfg.slack_tokens or DEFAULT_SLACK_TOKENS
         cfg = attrs.evolve(cfg, max_active=max_active, slack_tokens=slack)
@@ -827,8 +828,16 @@ class BudgetedEngine:
                 "generate", sorted(kwargs), "no extra vLLM keyword arguments (not supported)"
             )
         return self._generate(
-            prompt, sampling_params, request_id, service_class, tenant, task, durable,
-            deadline, on_exhausted, sink,
+            prompt,
+            sampling_params,
+            request_id,
+            service_class,
+            tenant,
+            task,
+            durable,
+            deadline,
+            on_exhausted,
+            sink,
         )
 
     async def _generate(
@@ -860,7 +869,8 @@ class BudgetedEngine:
         n_prompt = len(prompt_ids)
         if n_prompt >= self.max_model_len:
             raise InvalidInput(
-                "prompt_tokens", n_prompt,
+                "prompt_tokens",
+                n_prompt,
                 f"fewer than max_model_len={self.max_model_len} tokens",
             )
         max_tokens = sampling_params.max_tokens
@@ -868,8 +878,10 @@ class BudgetedEngine:
             max_tokens = self.max_model_len - n_prompt
         kind_value = sampling_params.output_kind
         kind: OutputKind = (
-            "delta" if kind_value == RequestOutputKind.DELTA
-            else "final" if kind_value == RequestOutputKind.FINAL_ONLY
+            "delta"
+            if kind_value == RequestOutputKind.DELTA
+            else "final"
+            if kind_value == RequestOutputKind.FINAL_ONLY
             else "cumulative"
         )
         spec = RequestSpec(
@@ -999,12 +1011,20 @@ def _aborted_output(
     ids = list(acc.ids) if acc is not None else []
     text = acc.text if acc is not None else ""
     comp = CompletionOutput(
-        index=0, text=text, token_ids=ids, cumulative_logprob=None, logprobs=None,
+        index=0,
+        text=text,
+        token_ids=ids,
+        cumulative_logprob=None,
+        logprobs=None,
         finish_reason="abort",
     )
     return RequestOutput(
-        request_id=request_id, prompt=prompt, prompt_token_ids=prompt_ids,
-        prompt_logprobs=None, outputs=[comp], finished=True,
+        request_id=request_id,
+        prompt=prompt,
+        prompt_token_ids=prompt_ids,
+        prompt_logprobs=None,
+        outputs=[comp],
+        finished=True,
     )
 
 

@@ -165,7 +165,9 @@ class CalibratedPolicy(BasePolicy):
         lookahead_blocks: int = 1,
     ) -> None:
         self.headroom_min = check_float("headroom_min", headroom_min, maximum=1.0)
-        self.headroom_max = check_float("headroom_max", headroom_max, minimum=self.headroom_min, maximum=1.0)
+        self.headroom_max = check_float(
+            "headroom_max", headroom_max, minimum=self.headroom_min, maximum=1.0
+        )
         self.protected_fraction = check_float(
             "protected_fraction", protected_fraction, maximum=self.headroom_min
         )
@@ -324,7 +326,9 @@ class NewTokenRatioPolicy(ReserveCurrentPolicy):
     name: ClassVar[str] = "new-token-ratio"
     clip = 4096
 
-    def __init__(self, *, init_ratio: float = 0.7, min_ratio: float = 0.098, decay_steps: int = 600) -> None:
+    def __init__(
+        self, *, init_ratio: float = 0.7, min_ratio: float = 0.098, decay_steps: int = 600
+    ) -> None:
         self.init_ratio = check_float("init_ratio", init_ratio, maximum=1.0, open_min=True)
         self.min_ratio = check_float("min_ratio", min_ratio, maximum=self.init_ratio)
         self.decay = (self.init_ratio - self.min_ratio) / check_int(
@@ -398,8 +402,7 @@ class PastFuturePolicy(ReserveCurrentPolicy):
         limit = self.threshold * self._s.capacity.tokens
         stopped = (State.RELEASING, State.PREEMPTING)
         held_elsewhere = (
-            sum(r.blocks for r in self._s.requests.values() if r.state in stopped)
-            * self.block_size
+            sum(r.blocks for r in self._s.requests.values() if r.state in stopped) * self.block_size
         )
         for _ in range(k):
             futures = sorted(

@@ -14,7 +14,8 @@ that may have freed blocks or changed demand, :meth:`_pump` runs three passes:
 2. *admissions*: queued requests in class-priority order and, within a class, weighted stride
    order across tenants; each needs its grant to fit the admission budget (leaving the headroom
    target free), the policy's own gate, the concurrency cap and the latency floor of active
-   streams;
+   streams. A protected head that does not fit may, at its last responsible moment, take the
+   headroom beyond its protected part before any batch work is checkpointed for it;
 3. *progress*: if requests wait at their boundaries and nothing else runs or is being released,
    one of them is checkpointed so the rest can move (no silent truncation, no deadlock).
 
@@ -358,7 +359,9 @@ class Scheduler:
                 break
             ahead += self._queues[cls.name].want_blocks
         deficit = ahead + req.want_blocks - self.ledger.admission_free
-        if deficit <= 0 and (self.config.max_active is None or self.active < self.config.max_active):
+        if deficit <= 0 and (
+            self.config.max_active is None or self.active < self.config.max_active
+        ):
             return 0.0
         deficit = max(deficit, 1)
         rate = self._release_rate(self.now)
@@ -380,7 +383,9 @@ class Scheduler:
 
     # == the hot path ==============================================================================
 
-    def charge(self, request_id: str, tokens: int, now: float) -> tuple[ev.Action, ...] | list[ev.Action]:
+    def charge(
+        self, request_id: str, tokens: int, now: float
+    ) -> tuple[ev.Action, ...] | list[ev.Action]:
         """Book ``tokens`` newly generated tokens. O(1); returns actions only near a boundary."""
         req = self.requests.get(request_id)
         if req is None:
@@ -450,7 +455,9 @@ class Scheduler:
             self.ledger.check_transition(req, Trigger.BLOCK)
         if req.generated < req.boundary:
             raise InvalidInput(
-                "boundary_reached", request_id, f"only after {req.boundary} tokens (has {req.generated})"
+                "boundary_reached",
+                request_id,
+                f"only after {req.boundary} tokens (has {req.generated})",
             )
         if req.generated >= req.hard_max:
             raise HardLimitExceeded(request_id, req.hard_max, req.generated + 1)
@@ -497,7 +504,10 @@ class Scheduler:
         return self._pump(now)
 
     def cancel(self, request_id: str, now: float) -> list[ev.Action]:
-        """The caller went away. Queued: gone at no cost. Live: abort, blocks held until confirmed."""
+        """The caller went away.
+
+        Queued: gone at no cost. Live: abort; its blocks stay held until the engine confirms.
+        """
         req = self.get(request_id)
         now = self._time(now)
         if req.state in (State.QUEUED, State.CHECKPOINTED):
@@ -702,7 +712,9 @@ class Scheduler:
                     req.stats.failed += 1
                     req.stats.wasted_tokens += req.generated
                     self._forget(req)
-                    actions.append(ev.Reject(req.request_id, self.config.min_retry_after_s, "deadline"))
+                    actions.append(
+                        ev.Reject(req.request_id, self.config.min_retry_after_s, "deadline")
+                    )
                 else:
                     self.ledger.transition(req, Trigger.REJECT)
                     req.outcome = Outcome.REJECTED
@@ -766,7 +778,8 @@ class Scheduler:
         target = self.policy.headroom_target()
         protected = self.policy.protected_blocks()
         self.ledger.set_headroom(
-            min(target, self.capacity.blocks), min(protected, target, self.capacity.blocks),
+            min(target, self.capacity.blocks),
+            min(protected, target, self.capacity.blocks),
             self.policy.name,
         )
 
@@ -782,7 +795,8 @@ class Scheduler:
 
     def _serve_extensions(self, now: float, actions: list[ev.Action]) -> None:
         waiting = sorted(
-            self._waiting_ext.values(), key=lambda r: (r.cls.priority, r.state is not State.EXTENDING, r.seq)
+            self._waiting_ext.values(),
+            key=lambda r: (r.cls.priority, r.state is not State.EXTENDING, r.seq),
         )
         for req in waiting:
             if not req.ext_pending:
@@ -917,29 +931,35 @@ class Scheduler:
                 allowance = self._allowance(req)
                 boundary = req.generated + allowance
                 blocks = self.ledger.grant_blocks(req, boundary)
+                fits = self.ledger.fits_admission(blocks)
+                gated = cls.protected and self.policy.preempt_for_admission
                 ok = (
-                    self.ledger.fits_admission(blocks)
+                    (fits or gated)
                     and (
-                        self.policy.admit(req, blocks)
-                        or (self.active == 0 and self.releasing == 0)
+                        self.policy.admit(req, blocks) or (self.active == 0 and self.releasing == 0)
                     )
                     and (
                         self.active == 0
                         or self._within_floor(1, req.prompt + req.generated + allowance)
                     )
                 )
-                if not ok:
-                    if cls.protected and self.policy.preempt_for_admission:
-                        self._preempt_for_admission(req, blocks, now, actions)
+                if not (fits and ok) and not (
+                    gated and self._preempt_for_admission(req, blocks, ok, now, actions)
+                ):
                     return  # strict priority: nothing behind the head jumps it
                 queue.pop(req)
                 self._grant(req, boundary, allowance, now, actions)
 
     def _preempt_for_admission(
-        self, req: Request, blocks: int, now: float, actions: list[ev.Action]
-    ) -> None:
+        self, req: Request, blocks: int, gates_ok: bool, now: float, actions: list[ev.Action]
+    ) -> bool:
+        """A protected head that does not fit: wait, take headroom, or checkpoint batch work.
+
+        Returns True when the head may be admitted now, into the unprotected part of the
+        headroom pool (only if ``gates_ok``: the policy's gate and the latency floor allow it).
+        """
         if self.preempting:
-            return  # room is already on its way back; do not preempt twice for one head
+            return False  # room is already on its way back; do not preempt twice for one head
         bound = self._wait_bound(req, req.arrival)
         if bound is not None and self._release_rate(now) > 0.0:
             # checkpoint others only at the last responsible moment: while the blocks released
@@ -949,8 +969,7 @@ class Scheduler:
             slack = bound - (now - req.arrival) - self.cost.predict_prefill(req.context_tokens)
             deficit = blocks - (self.ledger.free - self.ledger.headroom_target)
             if slack > 0.0 and deficit / self._release_rate(now) <= slack:
-                return
-        need = blocks - (self.ledger.free - self.ledger.headroom_target)
+                return False
         # A victim whose class is backlogged (more work queued than the whole cache holds, so
         # more than one turnover of the cache away) is spared: the engine is saturated for that
         # class, the victim's recompute would displace its work one for one, and the head, served
@@ -963,12 +982,23 @@ class Scheduler:
             and self._queues[r.cls.name].want_blocks <= self.capacity.blocks
         ]
         if not candidates:
-            return
+            return False
+        # Where a checkpoint would be taken, the headroom beyond its protected part is taken
+        # first: it is a forecast of extension demand, not blocks anyone holds (a protected
+        # extension it displaces can still preempt batch work at its own boundary; a batch one
+        # waits for the next release). Only what that does not cover is checkpointed.
+        floor = self.ledger.protected_blocks
+        if self.ledger.free - blocks >= floor:
+            return gates_ok
+        need = blocks - (self.ledger.free - floor)
         victims = self.policy.choose_victims(req, need, candidates)
         for victim in victims:
             if victim is req or victim.state not in _LIVE or victim.generated >= victim.hard_max:
-                raise PolicyViolation(self.policy.name, "admission victims must be running requests")
+                raise PolicyViolation(
+                    self.policy.name, "admission victims must be running requests"
+                )
             self._preempt(victim, now, actions, reason=f"admit:{req.request_id}")
+        return False
 
     def _grant(
         self, req: Request, boundary: int, allowance: int, now: float, actions: list[ev.Action]

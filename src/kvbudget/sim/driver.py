@@ -515,8 +515,10 @@ class _Sim:
                     next_tick = t + tick_s
 
         while self.done < n:
-            if (ai < n and order[ai].arrival <= now) or (timed and timed[0][0] <= now) or (
-                next_tick <= now
+            if (
+                (ai < n and order[ai].arrival <= now)
+                or (timed and timed[0][0] <= now)
+                or (next_tick <= now)
             ):
                 drain(now)
             if self.done >= n:
@@ -563,8 +565,10 @@ class _Sim:
             area_res += ledger.reserved * dt
             area_used += ledger.used * dt
             # 2. what happens during the step
-            if (ai < n and order[ai].arrival <= t_end) or (timed and timed[0][0] <= t_end) or (
-                next_tick <= t_end
+            if (
+                (ai < n and order[ai].arrival <= t_end)
+                or (timed and timed[0][0] <= t_end)
+                or (next_tick <= t_end)
             ):
                 drain(t_end)
             # 3. tokens at the end of the step
@@ -626,8 +630,14 @@ class _Sim:
         if self.progress is not None:
             self.progress(1.0)
         return self._result(
-            first_arrival, last_arrival, max(now, self.last_release), steps, area_res, area_used,
-            series, time.perf_counter() - wall0,
+            first_arrival,
+            last_arrival,
+            max(now, self.last_release),
+            steps,
+            area_res,
+            area_used,
+            series,
+            time.perf_counter() - wall0,
         )
 
     # -- results ------------------------------------------------------------------------------
@@ -662,10 +672,7 @@ class _Sim:
             if r.end != "completed":
                 continue
             if r.interactive:
-                if (
-                    r.first_token_at - r.arrival <= r.ttft_slo
-                    and r.stalls <= 0.01 * r.gaps
-                ):
+                if r.first_token_at - r.arrival <= r.ttft_slo and r.stalls <= 0.01 * r.gaps:
                     good_i += 1
             elif r.finished_at - r.arrival <= r.deadline:
                 good_b += 1
@@ -770,7 +777,9 @@ def run_policies(
     for i, name in enumerate(names):
         cb: Callable[[float], None] | None = None
         if progress is not None:
+
             def cb(share: float, _i: int = i) -> None:
                 progress(_i, share)
+
         results[name] = simulate(requests, scenario, engine, name, seed=seed, progress=cb)
     return with_oracle_ratio(results)

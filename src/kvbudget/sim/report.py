@@ -333,7 +333,10 @@ def plot_run(run: RunResult, path: str | Path, *, title: str | None = None) -> N
     for i, r in enumerate(results):
         if r.goodput_vs_oracle is not None:
             ax.annotate(
-                f"{r.goodput_vs_oracle:.2f}x", (i, r.goodput_rps), ha="center", va="bottom",
+                f"{r.goodput_vs_oracle:.2f}x",
+                (i, r.goodput_rps),
+                ha="center",
+                va="bottom",
                 fontsize=8,
             )
     ax.set_ylabel("goodput (requests within SLO / s)")
@@ -356,8 +359,13 @@ def plot_run(run: RunResult, path: str | Path, *, title: str | None = None) -> N
     ax = axes[2]
     for n, r in zip(names, results, strict=True):
         if r.itl_cdf:
-            ax.plot([p[0] * 1000 for p in r.itl_cdf], [p[1] for p in r.itl_cdf], color=colors[n],
-                    label=n, drawstyle="steps-post")
+            ax.plot(
+                [p[0] * 1000 for p in r.itl_cdf],
+                [p[1] for p in r.itl_cdf],
+                color=colors[n],
+                label=n,
+                drawstyle="steps-post",
+            )
     ax.set_xscale("log")
     ax.set_xlabel("inter-token latency (ms, log)")
     ax.set_ylabel("share of interactive tokens")
@@ -366,8 +374,10 @@ def plot_run(run: RunResult, path: str | Path, *, title: str | None = None) -> N
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
 
-    fig.suptitle(title or f"kvbudget simulate: {run.workload.get('name', 'workload')}, "
-                 f"rate x{run.rate_scale:g}")
+    fig.suptitle(
+        title
+        or f"kvbudget simulate: {run.workload.get('name', 'workload')}, rate x{run.rate_scale:g}"
+    )
     fig.tight_layout()
     fig.savefig(str(path), dpi=110)
     plt.close(fig)
