@@ -150,6 +150,8 @@ def test_wave_bare_preempts_budgeted_does_not(env: _Env) -> None:
     assert results == [(out_len, "length")] * n
     assert snap.completed == n and snap.reserved_blocks == 0 and snap.releasing == 0
     assert env.stats.max_kv_cache_usage <= 1.0
+    # every busy engine step refitted the latency-floor cost model
+    assert _be.budget.scheduler.cost.decode_observations > 0
 
 
 # -- extensions without a gap -----------------------------------------------------------------

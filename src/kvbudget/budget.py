@@ -785,6 +785,11 @@ class Budget:
             for lease in self._leases.values()
         )
 
+    def observe_step(self, batch_size: int, context_tokens: int, seconds: float) -> None:
+        """Feed one measured engine decode step to the core's cost model, which predicts the
+        step time the latency floor is checked against (adapters call it once per step)."""
+        self._apply(self._sched.observe_step(batch_size, context_tokens, seconds, self._clock()))
+
     def reconcile(self, engine_used_blocks: int) -> None:
         """Reconcile the ledger with the engine's own KV usage: stops that were never confirmed
         and whose blocks the engine no longer holds are released.

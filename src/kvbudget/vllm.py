@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
@@ -127,6 +128,10 @@ class EngineStats:
         self.initialized = False
         self.vllm_config: Any = None
         self._waiters: list[asyncio.Future[None]] = []
+        #: called as ``on_step(batch_size, seconds)`` for each busy step (the time since the
+        #: previous record while requests were running): how the cost model is refitted
+        self.on_step: Callable[[int, float], None] | None = None
+        self._busy_since: float | None = None
 
     # -- the StatLoggerBase interface ---------------------------------------------------------
 
@@ -153,11 +158,20 @@ class EngineStats:
             self.num_running_reqs = scheduler_stats.num_running_reqs
             self.num_waiting_reqs = scheduler_stats.num_waiting_reqs
             self.records += 1
+            self._time_step(iteration_stats)
             if self._waiters:
                 waiters, self._waiters = self._waiters, []
                 for fut in waiters:
                     if not fut.done():
                         fut.set_result(None)
+
+    def _time_step(self, iteration_stats: Any) -> None:
+        now = time.monotonic()
+        busy = self.num_running_reqs > 0
+        last, self._busy_since = self._busy_since, (now if busy else None)
+        generated = getattr(iteration_stats, "num_generation_tokens", 0) if iteration_stats else 0
+        if busy and last is not None and generated and self.on_step is not None:
+            self.on_step(self.num_running_reqs, now - last)
 
     def log_engine_initialized(self) -> None:
         self.initialized = True
@@ -632,6 +646,10 @@ class BudgetedEngine:
             tick_interval=tick_interval,
             stall_timeout=stall_timeout,
             engine=None,
+        )
+        budget, sched = self.budget, self.budget.scheduler
+        self.stats.on_step = lambda batch, seconds: budget.observe_step(
+            batch, sched.active_context, seconds
         )
         self.reconcile_interval = reconcile_interval
         self.confirm_probe_s = confirm_probe_s
