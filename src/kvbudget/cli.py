@@ -87,24 +87,24 @@ def _float_list(text: str) -> list[float]:
     return values
 
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return v
+def _float_above(minimum: float, *, inclusive: bool) -> Callable[[str], float]:
+    """An argparse type: a number above ``minimum`` (or equal to it when ``inclusive``)."""
+    words = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (v >= minimum if inclusive else v > minimum) or v != v or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a finite number {words}, got {text!r}")
+        return v
+
+    return parse
 
 
-def _nonneg_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return v
+_positive_float = _float_above(0.0, inclusive=False)
+_nonneg_float = _float_above(0.0, inclusive=True)
 
 
 def _share(text: str) -> float:

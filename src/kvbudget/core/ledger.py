@@ -94,6 +94,8 @@ TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (S.CHECKPOINTED, T.ADMIT): S.ADMITTED,
     (S.CHECKPOINTED, T.CANCEL): S.RELEASED,
     (S.CHECKPOINTED, T.EXPIRE): S.RELEASED,
+    (S.QUEUED, T.FAIL): S.RELEASED,  # failed before it held anything
+    (S.CHECKPOINTED, T.FAIL): S.RELEASED,
     (S.ADMITTED, T.TOKENS): S.RUNNING,
     (S.RUNNING, T.TOKENS): S.RUNNING,
     (S.EXTENDING, T.TOKENS): S.EXTENDING,  # tokens inside the reserved slack

@@ -541,9 +541,10 @@ class Scheduler:
         now = self._time(now)
         if req.state in (State.QUEUED, State.CHECKPOINTED):
             self._dequeue(req)
-            req.state = State.RELEASED
+            self.ledger.transition(req, Trigger.FAIL)
             req.outcome = Outcome.FAILED
             req.stats.failed += 1
+            req.stats.wasted_tokens += req.generated  # a checkpoint's tokens are lost
             self._forget(req)
             return self._pump(now)
         if req.state is State.RELEASING:
@@ -615,14 +616,7 @@ class Scheduler:
             if req.want_blocks > room:
                 # it grew past what the cache can ever hold again: it cannot resume, and queued
                 # it would block its class until its deadline. End it explicitly.
-                self.ledger.transition(req, Trigger.EXPIRE)
-                req.outcome = Outcome.FAILED
-                req.stats.failed += 1
-                req.stats.wasted_tokens += req.generated
-                self._forget(req)
-                actions.append(
-                    ev.Reject(req.request_id, self.config.max_retry_after_s, "too-large")
-                )
+                actions.append(self._expire(req, self.config.max_retry_after_s, "too-large"))
             else:
                 self._queues[req.cls.name].push(
                     req, self._weight(req.spec.tenant), front=req.requeue_front
@@ -638,6 +632,15 @@ class Scheduler:
             self._forget(req)
         actions.extend(self._pump(now))
         return actions
+
+    def _expire(self, req: Request, retry_after: float, reason: str) -> ev.Reject:
+        """A checkpointed request that can no longer resume ends explicitly, as failed."""
+        self.ledger.transition(req, Trigger.EXPIRE)
+        req.outcome = Outcome.FAILED
+        req.stats.failed += 1
+        req.stats.wasted_tokens += req.generated
+        self._forget(req)
+        return ev.Reject(req.request_id, retry_after, reason)
 
     def _note_release(self, blocks: int, now: float) -> None:
         if self._first_release_at is None:
@@ -707,14 +710,7 @@ class Scheduler:
             for req in expired:
                 self._dequeue(req)
                 if req.state is State.CHECKPOINTED:
-                    self.ledger.transition(req, Trigger.EXPIRE)
-                    req.outcome = Outcome.FAILED
-                    req.stats.failed += 1
-                    req.stats.wasted_tokens += req.generated
-                    self._forget(req)
-                    actions.append(
-                        ev.Reject(req.request_id, self.config.min_retry_after_s, "deadline")
-                    )
+                    actions.append(self._expire(req, self.config.min_retry_after_s, "deadline"))
                 else:
                     self.ledger.transition(req, Trigger.REJECT)
                     req.outcome = Outcome.REJECTED
