@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import attrs
+
 from kvbudget.engines.tiny_model import configure_cpu_vllm_env, tiny_engine_args
 from kvbudget.errors import InvalidInput
 
@@ -72,6 +74,11 @@ def make_parser(description: str, default_port: int) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch cap (default 64)")
     p.add_argument("--policy", default="calibrated", help="kvbudget policy (default calibrated)")
+    p.add_argument(
+        "--max-queue-delay", type=float, default=None, metavar="SECONDS",
+        help="how long an interactive caller may wait for admission before it is told to retry "
+             "(HTTP 429 / RESOURCE_EXHAUSTED); default: the interactive class's 2 s",
+    )
     p.add_argument(
         "--build-tiny-model", action="store_true",
         help="build the tiny random test Llama into --model first (seconds; skipped if there)",
@@ -120,8 +127,13 @@ async def running_engine(args: argparse.Namespace) -> AsyncIterator[Any]:
     """
     from kvbudget.vllm import BudgetedEngine
 
+    classes = None
+    if args.max_queue_delay is not None:
+        from kvbudget import BATCH, INTERACTIVE
+
+        classes = [attrs.evolve(INTERACTIVE, max_queue_delay_s=args.max_queue_delay), BATCH]
     engine = BudgetedEngine.from_engine_args(
-        engine_args(args), policy=args.policy, model=model_name(args)
+        engine_args(args), classes=classes, policy=args.policy, model=model_name(args)
     )
     async with engine:
         yield engine
