@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import anyio
+import pytest
 import structlog
 
 from kvbudget import RequestSpec
@@ -12,6 +14,14 @@ from kvbudget import RequestSpec
 
 def quiet_logs() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
+@pytest.fixture(autouse=True)
+def quiet_structlog() -> Iterator[None]:
+    """Autouse in every module that imports it: warnings and up only, defaults restored after."""
+    quiet_logs()
+    yield
+    structlog.reset_defaults()
 
 
 def task_count() -> int:

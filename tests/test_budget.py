@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from contextlib import aclosing
 
 import anyio
 import pytest
 import structlog
 
-from _kvb_helpers import quiet_logs, spec, task_count
+from _kvb_helpers import quiet_structlog, spec, task_count  # noqa: F401 (autouse fixture)
 from kvbudget import (
     BATCH,
     INTERACTIVE,
@@ -34,13 +33,6 @@ from kvbudget.core.lengths import LengthModel
 from kvbudget.engines.sim import Faults, SimEngine
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Iterator[None]:
-    quiet_logs()
-    yield
-    structlog.reset_defaults()
 
 
 def short_lengths() -> LengthModel:

@@ -11,14 +11,12 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
 from contextlib import aclosing
 
 import anyio
 import pytest
-import structlog
 
-from _kvb_helpers import quiet_logs, spec, task_count
+from _kvb_helpers import quiet_structlog, spec, task_count  # noqa: F401 (autouse fixture)
 from kvbudget import (
     BATCH,
     Budget,
@@ -43,13 +41,6 @@ pytestmark = pytest.mark.anyio
 
 SIM_COST = CostModel(StepTimeModel(fixed_s=1e-3, per_seq_s=1e-6, per_context_token_s=0.0,
                                    prefill_per_token_s=0.0))
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Iterator[None]:
-    quiet_logs()
-    yield
-    structlog.reset_defaults()
 
 
 async def settle(budget: Budget, timeout: float = 5.0) -> None:

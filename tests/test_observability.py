@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import http.server
 import json
-import logging
 import sys
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -15,6 +13,7 @@ import pytest
 import structlog
 
 import kvbudget
+from _kvb_helpers import quiet_structlog  # noqa: F401 (autouse fixture)
 from kvbudget import Capacity, RequestSpec, Scheduler
 from kvbudget.engines.sim import SimEngine
 from kvbudget.observability import (
@@ -49,13 +48,6 @@ def _spec(tenant: str = "default", cls: str = "interactive", **kw: Any) -> Reque
         prompt_tokens=20, max_tokens=100, model_max_len=4096, service_class=cls, tenant=tenant,
         **kw,
     )
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Iterator[None]:
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    yield
-    structlog.reset_defaults()
 
 
 def test_scheduler_scrape_has_every_name_and_the_right_values() -> None:

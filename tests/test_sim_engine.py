@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import anyio
 import pytest
-import structlog
 
+from _kvb_helpers import quiet_structlog  # noqa: F401 (autouse fixture)
 from kvbudget import Capacity, Checkpoint, EngineDead, EngineError, InvalidInput
 from kvbudget.core.model import blocks_for
 from kvbudget.engines.base import (
@@ -19,15 +17,6 @@ from kvbudget.engines.base import (
 from kvbudget.engines.sim import Faults, SimEngine
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Iterator[None]:
-    from _kvb_helpers import quiet_logs
-
-    quiet_logs()
-    yield
-    structlog.reset_defaults()
 
 
 async def drain(engine: SimEngine, rid: str, prompt: int = 10, max_tokens: int = 100,

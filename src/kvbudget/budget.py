@@ -330,16 +330,24 @@ class Lease:
         budget = self._budget
         budget._apply(budget._sched.confirm_release(self.request_id, self._clock()))
 
-    def _abandon_unstarted(self) -> None:
-        """The caller left while waiting for an admission: cancel at no cost."""
+    def _end_for_cancel(self) -> Request | None:
+        """Mark the lease ended; its core request if there is still one to cancel, else None
+        (already ended, never arrived, or already released: then the lease is forgotten)."""
         if self._ended:
-            return
+            return None
         self._ended = True
         req = self._req
-        budget = self._budget
         if req is None or req.state in (State.RELEASED, State.REJECTED):
-            budget._leases.pop(self.request_id, None)
+            self._budget._leases.pop(self.request_id, None)
+            return None
+        return req
+
+    def _abandon_unstarted(self) -> None:
+        """The caller left while waiting for an admission: cancel at no cost."""
+        req = self._end_for_cancel()
+        if req is None:
             return
+        budget = self._budget
         now = self._clock()
         state = req.state
         actions = budget._sched.cancel(self.request_id, now)
@@ -368,14 +376,9 @@ class Lease:
     def cancel(self) -> None:
         """Give the request up (the caller went away). Queued: gone at no cost. Running: the
         engine must abort it; its blocks stay charged until confirmed."""
-        if self._ended:
+        if self._end_for_cancel() is None:
             return
-        self._ended = True
         budget = self._budget
-        req = self._req
-        if req is None or req.state in (State.RELEASED, State.REJECTED):
-            budget._leases.pop(self.request_id, None)
-            return
         actions = budget._sched.cancel(self.request_id, self._clock())
         budget._log("cancelled", self, generated=self.generated)
         budget._apply(actions)
