@@ -47,11 +47,13 @@ def configure_env() -> None:
     configure_cpu_vllm_env()
 
 
-def configure_logging(level: int = logging.INFO) -> None:
+def configure_logging(level: int | str = logging.INFO) -> None:
     """stdlib logging for the servers, and kvbudget's structlog events at ``level`` and above
     (admissions, extensions and confirmations are ``debug``; see docs/operations.md)."""
     import structlog
 
+    if isinstance(level, str):
+        level = logging.getLevelNamesMapping()[level.upper()]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
 
@@ -84,6 +86,11 @@ def make_parser(description: str, default_port: int) -> argparse.ArgumentParser:
         help="build the tiny random test Llama into --model first (seconds; skipped if there)",
     )
     p.add_argument("--served-model-name", default=None, help="model id (default: DIR's name)")
+    p.add_argument(
+        "--events", default="info", choices=("debug", "info", "warning"),
+        help="lowest level of kvbudget's events to log (debug: every admission, extension, "
+             "abort and confirmation; default info)",
+    )
     return p
 
 

@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="warning", help="uvicorn log level")
     args = parser.parse_args(argv)
     _common.configure_env()
-    _common.configure_logging()
+    _common.configure_logging(args.events)
     uvicorn.run(
         create_app(args), host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=5,

@@ -185,6 +185,7 @@ async def serve(argv: list[str] | None = None) -> None:
     parser = _common.make_parser("gRPC server over kvbudget + vLLM", 50051)
     args = parser.parse_args(argv)
     _common.configure_env()
+    _common.configure_logging(args.events)
     pb, services = load_protos()
     path = _common.prepare_model(args)
     async with _common.running_engine(args) as engine:
@@ -208,7 +209,6 @@ async def serve(argv: list[str] | None = None) -> None:
 
 
 def main() -> None:
-    _common.configure_logging()
     asyncio.run(serve())
 
 
