@@ -309,6 +309,37 @@ def _calibrated(blocks: int = 16, **kw: Any) -> Scheduler:
     )
 
 
+def test_calibrated_grants_grow_in_bounded_steps() -> None:
+    """``grant_step_tokens`` bounds how far a grant reaches past the context (the initial one:
+    the prompt's last block filled, then one step) and each extension; the quantiles still
+    decide when a request stops growing, and the headroom forecast still counts what a stepped
+    grant expects to grow to."""
+    lengths = LengthModel(prior_tokens=8)
+    for _ in range(200):
+        lengths.observe(spec().calibration_key, 400)  # every answer is 400 tokens long
+
+    def sched(step: int | None) -> Scheduler:
+        return Scheduler(
+            Capacity(256, 16), policy=CalibratedPolicy(grant_step_tokens=step), lengths=lengths,
+            config=SchedulerConfig(slack_tokens=0),
+        )
+
+    stepped, whole = sched(40), sched(None)
+    for s in (stepped, whole):
+        s.arrive("a", spec(prompt=20, max_tokens=1000), 0.0)
+    a = stepped.requests["a"]
+    # 20 prompt tokens: 12 fill the second block, then one step (in whole blocks: 72 -> 80)
+    assert a.blocks == 5 and a.boundary == 5 * 16 - 20
+    assert whole.requests["a"].boundary > 350  # the calibrated quantile (~400), at once
+    assert stepped.policy.headroom_target() > whole.policy.headroom_target()
+    while a.boundary <= 350:  # a step of 40 tokens is at most 3 new blocks
+        before = a.blocks
+        assert of(to_boundary(stepped, "a", 1.0), ev.Extend, "a")
+        assert 0 < a.blocks - before <= 3
+    with pytest.raises(InvalidInput):
+        CalibratedPolicy(grant_step_tokens=0)
+
+
 def test_interactive_extension_preempts_cheapest_batch_victim() -> None:
     s = _calibrated(blocks=16)
     assert of(s.arrive("i", spec(prompt=4, max_tokens=400, cls="interactive"), 0.0), ev.Admit)
@@ -432,6 +463,36 @@ def test_queue_timeout_rejects_via_tick() -> None:
     rej = of(out, ev.Reject, "w")
     assert rej and rej[0].reason == "queue-timeout" and rej[0].retry_after > 0
     assert "w" not in s.requests and s.requests["hog"].blocks == 4
+
+
+def test_queued_caller_turned_away_once_a_first_token_in_time_is_impossible() -> None:
+    """Under a first-token objective, a queued caller is turned away at the objective less its
+    predicted prefill (admitted later, it would miss anyway), not at its longer queue bound; a
+    newcomer whose estimated wait already passes that point is told at once."""
+    from kvbudget.core.cost import CostModel, StepTimeModel
+
+    cls = ServiceClass("interactive", priority=0, protected=True, preemptible=False,
+                       ttft_slo_s=2.0, max_queue_delay_s=10.0)
+    cost = CostModel(StepTimeModel(fixed_s=0.01, per_seq_s=0.0, per_context_token_s=0.0,
+                                   prefill_per_token_s=1e-3))  # 1,500 prompt tokens: 1.5 s
+    s = Scheduler(Capacity(200, 16), classes=(cls,), policy=ReserveMaxPolicy(), cost=cost)
+    s.arrive("hog", spec(prompt=1600, max_tokens=100, cls="interactive"), 0.0)  # 107 blocks
+    s.arrive("w", spec(prompt=1500, max_tokens=100, cls="interactive"), 0.0)  # 100 > 93 free
+    assert s.requests["w"].state is State.QUEUED
+    assert not of(s.tick(0.45), ev.Reject)
+    rej = of(s.tick(0.55), ev.Reject, "w")  # 2.0 s objective - 1.5 s prefill, not 10 s
+    assert rej and rej[0].reason == "queue-timeout"
+    assert "w" not in s.requests
+    # a prefill longer than the objective: a caller who must wait at all is told at once
+    out = s.arrive("late", spec(prompt=2100, max_tokens=100, cls="interactive"), 1.0)
+    late = of(out, ev.Reject, "late")
+    assert late and late[0].reason == "deadline" and "late" not in s.requests
+    # ... while one the cache can take now is admitted (its first token is as early as can be)
+    s.charge("hog", 100, 1.0)
+    s.finish("hog", "length", 1.0)
+    s.confirm_release("hog", 1.0)
+    out = s.arrive("now", spec(prompt=2100, max_tokens=100, cls="interactive"), 1.0)
+    assert of(out, ev.Admit, "now")
 
 
 def test_deadlock_breaker_checkpoints_one_of_the_stuck() -> None:

@@ -140,6 +140,7 @@ class Request:
         "cls",
         "continuation_seq",
         "deadline_at",
+        "expiry",
         "ext_demand",
         "ext_pending",
         "first_token_at",
@@ -197,6 +198,7 @@ class Request:
         self.release_started_at: float | None = None
         self.unconfirmed = False
         self.ext_demand = 0.0
+        self.expiry = float("inf")  # when it is turned away if still queued (the scheduler's)
         self.floor = cls.latency_floor_s if cls.latency_floor_s is not None else float("inf")
         self.wasted = 0
         self.continuation_seq = 0

@@ -125,10 +125,11 @@ class ServiceClass:
     ``protected``: may draw the protected headroom and preempt preemptible work.
     ``preemptible``: may be checkpointed to make room for protected classes.
     ``latency_floor_s``: the slowest inter-token interval an active stream of this class may be
-    pushed to (None: no floor). ``ttft_slo_s``: time-to-first-token objective.
+    pushed to (None: no floor). ``ttft_slo_s``: time-to-first-token objective; a caller still
+    queued when the objective less its predicted prefill has passed is turned away.
     ``max_queue_delay_s``: a caller waiting longer than this for admission is turned away (None:
-    only its own deadline bounds the wait). ``default_deadline_s``: completion deadline when the
-    request gives none.
+    only its own deadline and first-token objective bound the wait). ``default_deadline_s``:
+    completion deadline when the request gives none.
     """
 
     name: str = attrs.field(validator=_name("name"))

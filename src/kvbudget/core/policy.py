@@ -143,9 +143,14 @@ class CalibratedPolicy(BasePolicy):
     * an extension is asked ``lookahead_blocks`` ahead of the boundary and sized from the
       conditional distribution P(L > g + x | L > g) at the class's ``extension_quantile``, at least
       one block and at most the class's ``max_extension_tokens``;
-    * the headroom target follows the predicted extension demand of in-flight grants
-      (sum of P(extend) x next increment), clamped to ``[headroom_min, headroom_max]`` of
-      capacity; ``protected_fraction`` of capacity is reserved for protected classes;
+    * a grant grows in bounded steps: the initial allowance reaches at most ``grant_step_tokens``
+      past the context's last block, and an extension adds at most ``grant_step_tokens`` (None:
+      no such bound). Blocks granted far ahead of the tokens that fill them are blocks nobody
+      else can be admitted into; the quantiles still decide when a request stops growing;
+    * the headroom target follows the predicted extension demand of in-flight grants (sum of
+      P(extend) x the growth still expected: the next increment, or with bounded steps the way to
+      the conditional quantile), clamped to ``[headroom_min, headroom_max]`` of capacity;
+      ``protected_fraction`` of capacity is reserved for protected classes;
     * a protected request stopped at its boundary preempts preemptible work of lower priority
       (lowest recompute cost first, most deadline slack first); others wait or, when they allow
       it, end with a continuation.
@@ -159,10 +164,11 @@ class CalibratedPolicy(BasePolicy):
         self,
         *,
         headroom_min: float = 0.03,
-        headroom_max: float = 0.25,
+        headroom_max: float = 0.5,
         protected_fraction: float = 0.02,
         demand_safety: float = 1.0,
         lookahead_blocks: int = 1,
+        grant_step_tokens: int | None = 128,
     ) -> None:
         self.headroom_min = check_float("headroom_min", headroom_min, maximum=1.0)
         self.headroom_max = check_float(
@@ -173,6 +179,11 @@ class CalibratedPolicy(BasePolicy):
         )
         self.demand_safety = check_float("demand_safety", demand_safety, maximum=100.0)
         self.lookahead_blocks = check_int("lookahead_blocks", lookahead_blocks, minimum=0)
+        self.grant_step_tokens = (
+            None
+            if grant_step_tokens is None
+            else check_int("grant_step_tokens", grant_step_tokens, minimum=1)
+        )
         self._demand = 0.0
         self._demand_of: dict[str, float] = {}
 
@@ -193,20 +204,32 @@ class CalibratedPolicy(BasePolicy):
             )
         else:
             target = lengths.quantile(req.key, req.cls.initial_quantile)
-        return max(1, min(req.remaining, target - req.generated))
+        allowance = min(req.remaining, target - req.generated)
+        step = self.grant_step_tokens
+        if step is not None:
+            # fill the context's last block, then at most one step beyond it
+            allowance = min(allowance, -req.context_tokens % self.block_size + step)
+        return max(1, allowance)
 
     def lookahead_tokens(self, req: Request) -> int:
         return self.lookahead_blocks * self.block_size
 
     def extension_tokens(self, req: Request) -> int | None:
-        room = req.hard_max - req.boundary
-        if room <= 0:
+        if req.boundary >= req.hard_max:
             return None
-        target = self._s.lengths.conditional_quantile(
+        return self._extension(req, self._target(req))
+
+    def _target(self, req: Request) -> int:
+        """The length an extension of ``req`` aims to cover: its conditional quantile."""
+        return self._s.lengths.conditional_quantile(
             req.key, req.cls.extension_quantile, req.boundary
         )
+
+    def _extension(self, req: Request, target: int) -> int:
         want = max(self.block_size, min(req.cls.max_extension_tokens, target - req.boundary))
-        return min(room, want)
+        if self.grant_step_tokens is not None:
+            want = min(want, self.grant_step_tokens)
+        return min(req.hard_max - req.boundary, want)
 
     def on_blocked(self, req: Request) -> Blocked:
         if req.cls.protected and any(self._eligible(req, r) for r in self._s.live.values()):
@@ -246,12 +269,16 @@ class CalibratedPolicy(BasePolicy):
         return chosen
 
     def on_granted(self, req: Request) -> None:
-        # expected extension demand of this grant: P(L > boundary) x the next increment
+        # expected extension demand of this grant: P(L > boundary) x the growth still expected
         if req.boundary >= req.hard_max:
             demand = 0.0
         else:
+            target = self._target(req)
+            step = self._extension(req, target)
+            if self.grant_step_tokens is not None:
+                # a stepped grant still expects to grow to its calibrated target
+                step = max(step, min(req.hard_max, target) - req.boundary)
             p = self._s.lengths.survival(req.key, req.boundary)
-            step = self.extension_tokens(req) or 0
             demand = p * blocks_for(step, self.block_size)
         self._demand += demand - self._demand_of.get(req.request_id, 0.0)
         self._demand_of[req.request_id] = demand

@@ -306,14 +306,25 @@ class Scheduler:
         return self._pump(now)
 
     def _queue_expiry(self, req: Request) -> float:
-        """When a queued request is turned away (a checkpoint: only its deadline bounds it)."""
-        deadline = req.deadline_at if req.deadline_at is not None else math.inf
-        if req.state is State.CHECKPOINTED or req.cls.max_queue_delay_s is None:
-            return deadline
-        return min(deadline, req.arrival + req.cls.max_queue_delay_s)
+        """When a queued request is turned away (a checkpoint: only its deadline bounds it).
+
+        A caller with a time-to-first-token objective is turned away once admitting it could no
+        longer give it a first token in time (the objective less its predicted prefill): admitted
+        later it would miss the objective anyway, and the KV it took would be lost to others.
+        """
+        expiry = req.deadline_at if req.deadline_at is not None else math.inf
+        if req.state is State.CHECKPOINTED:
+            return expiry
+        cls = req.cls
+        if cls.max_queue_delay_s is not None:
+            expiry = min(expiry, req.arrival + cls.max_queue_delay_s)
+        if cls.ttft_slo_s is not None and req.generated == 0:
+            last = req.arrival + cls.ttft_slo_s - self.cost.predict_prefill(req.prompt)
+            expiry = min(expiry, last)
+        return expiry
 
     def _note_queued(self, req: Request) -> None:
-        expiry = self._queue_expiry(req)
+        expiry = req.expiry = self._queue_expiry(req)
         if expiry < self._expiry_floor[req.cls.name]:
             self._expiry_floor[req.cls.name] = expiry
 
@@ -335,12 +346,9 @@ class Scheduler:
         return allowance
 
     def _wait_bound(self, req: Request, now: float) -> float | None:
-        bounds = []
-        if req.cls.max_queue_delay_s is not None:
-            bounds.append(req.cls.max_queue_delay_s)
-        if req.deadline_at is not None:
-            bounds.append(req.deadline_at - now)
-        return min(bounds) if bounds else None
+        """Seconds from ``now`` that ``req`` may still wait for admission (None: unbounded)."""
+        expiry = self._queue_expiry(req)
+        return None if expiry == math.inf else expiry - now
 
     def _release_rate(self, now: float) -> float:
         """Blocks per second returned recently (0 when nothing was released yet)."""
@@ -693,15 +701,8 @@ class Scheduler:
                 continue
             expired = []
             floor = math.inf
-            delay = cls.max_queue_delay_s
-            checkpointed = State.CHECKPOINTED
             for req in queue:
-                # inline _queue_expiry: this walks the whole queue
-                expiry = req.deadline_at if req.deadline_at is not None else math.inf
-                if delay is not None and req.state is not checkpointed:
-                    by_delay = req.arrival + delay
-                    if by_delay < expiry:
-                        expiry = by_delay
+                expiry = req.expiry
                 if now > expiry:
                     expired.append(req)
                 elif expiry < floor:
@@ -956,13 +957,13 @@ class Scheduler:
         """
         if self.preempting:
             return False  # room is already on its way back; do not preempt twice for one head
-        bound = self._wait_bound(req, req.arrival)
-        if bound is not None and self._release_rate(now) > 0.0:
+        slack = self._wait_bound(req, now)
+        if slack is not None and self._release_rate(now) > 0.0:
             # checkpoint others only at the last responsible moment: while the blocks released
-            # at the recent rate would still admit the head in time (its queue bound, less its
-            # prefill), a preemption would only trade the victim's recompute for nothing. With
-            # no release seen yet there is no evidence that blocks will come back: preempt.
-            slack = bound - (now - req.arrival) - self.cost.predict_prefill(req.context_tokens)
+            # at the recent rate would still admit the head in time (by its queue bound, which
+            # leaves room for its prefill under a first-token objective), a preemption would only
+            # trade the victim's recompute for nothing. With no release seen yet there is no
+            # evidence that blocks will come back: preempt.
             deficit = blocks - (self.ledger.free - self.ledger.headroom_target)
             if slack > 0.0 and deficit / self._release_rate(now) <= slack:
                 return False
