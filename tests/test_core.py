@@ -336,8 +336,34 @@ def test_calibrated_grants_grow_in_bounded_steps() -> None:
         before = a.blocks
         assert of(to_boundary(stepped, "a", 1.0), ev.Extend, "a")
         assert 0 < a.blocks - before <= 3
+    # a protected stream keeps its whole quantile grant (a wait at its boundary is a stall)
+    stepped.arrive("i", spec(prompt=20, max_tokens=1000, cls="interactive"), 2.0)
+    assert stepped.requests["i"].boundary > 350
     with pytest.raises(InvalidInput):
         CalibratedPolicy(grant_step_tokens=0)
+
+
+def test_headroom_forecast_judges_a_long_protected_stream_by_what_it_outlived() -> None:
+    """Past everything the length model has seen, a protected stream is expected to go on
+    (its next extension counts in full); batch work there counts as unlikely to extend."""
+    lengths = LengthModel(prior_tokens=8)
+    for _ in range(200):
+        lengths.observe(spec().calibration_key, 100)
+        lengths.observe(spec(cls="interactive").calibration_key, 100)
+    s = Scheduler(Capacity(512, 16), policy=CalibratedPolicy(), lengths=lengths,
+                  config=SchedulerConfig(slack_tokens=0))
+    policy = s.policy
+    assert isinstance(policy, CalibratedPolicy)
+    for rid, cls in (("i", "interactive"), ("b", "batch")):
+        s.arrive(rid, spec(prompt=16, max_tokens=2000, cls=cls), 0.0)
+        for _ in range(100):  # to three times any length seen, extended one block ahead
+            if s.requests[rid].generated >= 300:
+                break
+            to_boundary(s, rid, 0.0)
+        assert 300 <= s.requests[rid].generated < s.requests[rid].boundary
+    demand = policy._demand_of
+    assert demand["i"] >= 1.0  # P(extend) = 1 x at least one block
+    assert demand["b"] < 0.05
 
 
 def test_interactive_extension_preempts_cheapest_batch_victim() -> None:

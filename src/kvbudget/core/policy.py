@@ -143,13 +143,16 @@ class CalibratedPolicy(BasePolicy):
     * an extension is asked ``lookahead_blocks`` ahead of the boundary and sized from the
       conditional distribution P(L > g + x | L > g) at the class's ``extension_quantile``, at least
       one block and at most the class's ``max_extension_tokens``;
-    * a grant grows in bounded steps: the initial allowance reaches at most ``grant_step_tokens``
-      past the context's last block, and an extension adds at most ``grant_step_tokens`` (None:
-      no such bound). Blocks granted far ahead of the tokens that fill them are blocks nobody
-      else can be admitted into; the quantiles still decide when a request stops growing;
+    * the grant of unprotected (batch) work grows in bounded steps: its initial allowance reaches
+      at most ``grant_step_tokens`` past the context's last block, and an extension adds at most
+      ``grant_step_tokens`` (None: no such bound). Blocks granted far ahead of the tokens that
+      fill them are blocks nobody else can be admitted into; the quantiles still decide how far
+      it is expected to grow. Protected streams keep whole quantile grants: a wait at their
+      boundary is a stall;
     * the headroom target follows the predicted extension demand of in-flight grants (sum of
       P(extend) x the growth still expected: the next increment, or with bounded steps the way to
-      the conditional quantile), clamped to ``[headroom_min, headroom_max]`` of capacity;
+      the conditional quantile; for a protected stream P(extend) is conditioned on the length it
+      has already outlived), clamped to ``[headroom_min, headroom_max]`` of capacity;
       ``protected_fraction`` of capacity is reserved for protected classes;
     * a protected request stopped at its boundary preempts preemptible work of lower priority
       (lowest recompute cost first, most deadline slack first); others wait or, when they allow
@@ -205,7 +208,7 @@ class CalibratedPolicy(BasePolicy):
         else:
             target = lengths.quantile(req.key, req.cls.initial_quantile)
         allowance = min(req.remaining, target - req.generated)
-        step = self.grant_step_tokens
+        step = self._step(req)
         if step is not None:
             # fill the context's last block, then at most one step beyond it
             allowance = min(allowance, -req.context_tokens % self.block_size + step)
@@ -227,9 +230,14 @@ class CalibratedPolicy(BasePolicy):
 
     def _extension(self, req: Request, target: int) -> int:
         want = max(self.block_size, min(req.cls.max_extension_tokens, target - req.boundary))
-        if self.grant_step_tokens is not None:
-            want = min(want, self.grant_step_tokens)
+        step = self._step(req)
+        if step is not None:
+            want = min(want, step)
         return min(req.hard_max - req.boundary, want)
+
+    def _step(self, req: Request) -> int | None:
+        """How far one grant of ``req`` may reach ahead (None: as far as its quantile)."""
+        return None if req.cls.protected else self.grant_step_tokens
 
     def on_blocked(self, req: Request) -> Blocked:
         if req.cls.protected and any(self._eligible(req, r) for r in self._s.live.values()):
@@ -275,13 +283,28 @@ class CalibratedPolicy(BasePolicy):
         else:
             target = self._target(req)
             step = self._extension(req, target)
-            if self.grant_step_tokens is not None:
+            if self._step(req) is not None:
                 # a stepped grant still expects to grow to its calibrated target
                 step = max(step, min(req.hard_max, target) - req.boundary)
-            p = self._s.lengths.survival(req.key, req.boundary)
-            demand = p * blocks_for(step, self.block_size)
+            demand = self._p_extend(req) * blocks_for(step, self.block_size)
         self._demand += demand - self._demand_of.get(req.request_id, 0.0)
         self._demand_of[req.request_id] = demand
+
+    def _p_extend(self, req: Request) -> float:
+        """How likely ``req`` outgrows its grant, as the headroom forecast counts it.
+
+        A protected stream is judged by what it has already outlived, P(L > boundary | L >
+        generated): under a heavy tail one that ran long is likely to run longer (one that
+        outlived everything seen is taken to go on), and its extension is what the headroom
+        protects. Other work counts with P(L > boundary): it can wait at its boundary or be
+        checkpointed, so its claim on the pool is the weaker one.
+        """
+        lengths = self._s.lengths
+        beyond = lengths.survival(req.key, req.boundary)
+        if not (req.cls.protected and req.generated):
+            return beyond
+        alive = lengths.survival(req.key, req.generated)
+        return 1.0 if alive <= 1e-9 else min(1.0, beyond / alive)
 
     def on_leave(self, req: Request) -> None:
         self._demand -= self._demand_of.pop(req.request_id, 0.0)
