@@ -366,6 +366,33 @@ def test_headroom_forecast_judges_a_long_protected_stream_by_what_it_outlived() 
     assert demand["b"] < 0.05
 
 
+def test_past_future_draws_once_per_instant_for_a_refused_head() -> None:
+    """LightLLM's past-future test runs once per scheduling step: a head it refused is not
+    drawn for again at the same instant with the same requests running, but is at the next."""
+    from kvbudget.core.policy import PastFuturePolicy
+
+    policy = PastFuturePolicy(window=4)
+    s = Scheduler(Capacity(8, 16), policy=policy, config=SchedulerConfig(slack_tokens=0))
+    for i in range(4):  # a window of finished lengths: 100 tokens each
+        s.arrive(f"w{i}", spec(prompt=16, max_tokens=100), 0.0)
+        for _ in range(100):
+            if s.requests[f"w{i}"].generated == 100:
+                break
+            to_boundary(s, f"w{i}", 0.0)
+        s.finish(f"w{i}", "length", 0.0)
+        s.confirm_release(f"w{i}", 0.0)
+    s.arrive("a", spec(prompt=16, max_tokens=100), 0.0)  # its future fills the cache
+    s.arrive("b", spec(prompt=16, max_tokens=100), 0.0)
+    head = s.requests["b"]
+    assert head.state is State.QUEUED  # refused at its arrival
+    state = policy._rng.getstate()
+    assert not policy.admit(head, 1)
+    assert policy._rng.getstate() == state  # the same instant: no new draw
+    s.tick(1.0)
+    assert policy._rng.getstate() != state  # the clock moved: drawn again
+    assert head.state is State.QUEUED
+
+
 def test_interactive_extension_preempts_cheapest_batch_victim() -> None:
     s = _calibrated(blocks=16)
     assert of(s.arrive("i", spec(prompt=4, max_tokens=400, cls="interactive"), 0.0), ev.Admit)

@@ -415,6 +415,8 @@ class PastFuturePolicy(ReserveCurrentPolicy):
     sampled from the window's lengths above what it already generated (its hard max when none);
     the peak KV over the finish points must stay under ``threshold`` of capacity in the worst of
     K = min(5, window/n + 1) samples; on overflow the most recently admitted request is paused.
+    As in LightLLM, the test is drawn once per scheduling step: a refused head is drawn for again
+    only when the clock or the set of running requests has moved.
     """
 
     name: ClassVar[str] = "past-future"
@@ -425,6 +427,7 @@ class PastFuturePolicy(ReserveCurrentPolicy):
         self._rng = random.Random(seed)
         self._sorted: list[int] = []
         self._dirty = False
+        self._refused: tuple[str, float, int] | None = None
 
     def on_finished(self, req: Request, length: int) -> None:
         self.window.append(length)
@@ -443,6 +446,16 @@ class PastFuturePolicy(ReserveCurrentPolicy):
         return min(hard_max, lengths[self._rng.randrange(i, len(lengths))])
 
     def admit(self, req: Request, blocks: int) -> bool:
+        # LightLLM draws once per scheduling step: a head refused at this instant, with the same
+        # requests running, is not drawn for again until the clock or the running set moves
+        attempt = (req.request_id, self._s.now, len(self._s.live))
+        if attempt == self._refused:
+            return False
+        ok = self._fits_future(req)
+        self._refused = None if ok else attempt
+        return ok
+
+    def _fits_future(self, req: Request) -> bool:
         from kvbudget.core.ledger import State
 
         live = list(self._s.live.values())
