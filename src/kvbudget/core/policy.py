@@ -277,7 +277,7 @@ class CalibratedPolicy(BasePolicy):
         return chosen
 
     def on_granted(self, req: Request) -> None:
-        # expected extension demand of this grant: P(L > boundary) x the growth still expected
+        # expected extension demand of this grant: P(extend) x the growth still expected
         if req.boundary >= req.hard_max:
             demand = 0.0
         else:
