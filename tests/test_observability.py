@@ -255,3 +255,41 @@ def test_format_snapshot_handles_an_empty_budget() -> None:
     text = format_snapshot(snapshot_to_dict(sched.snapshot()))
     assert "capacity_blocks" in text and "policy" in text
     json.dumps(snapshot_to_dict(sched.snapshot()))  # JSON-able
+
+
+_EMBEDDED = """
+import asyncio, logging, sys
+import structlog
+import kvbudget
+from kvbudget.engines.sim import SimEngine
+if sys.argv[1] == "debug":
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+async def main():
+    engine = SimEngine()
+    async with kvbudget.Budget(engine.capacity, engine=engine) as budget:
+        async for _ in budget.generate(engine, kvbudget.RequestSpec(8, 8, 64), request_id="r1"):
+            pass
+    kvbudget.observability.log_drift(3, 10, 7)  # a warning: printed either way
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("configured", [False, True])
+def test_an_application_that_never_configured_structlog_sees_info_and_up(
+    configured: bool,
+) -> None:
+    """Embedded in a server that never configured structlog, kvbudget prints its events from
+    ``info`` up only (structlog alone would print every admission and confirmation); once the
+    application configures structlog, its configuration decides (here: everything)."""
+    import os
+    import pathlib
+    import subprocess
+
+    src = str(pathlib.Path(__file__).resolve().parent.parent / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", _EMBEDDED, "debug" if configured else "default"],
+        capture_output=True, text=True, timeout=60, env=env, check=True,
+    ).stdout
+    assert "drift" in out
+    assert ("admission" in out and "confirmation" in out) is configured

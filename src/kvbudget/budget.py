@@ -14,8 +14,8 @@ and arrives here as an action. The shell
   :meth:`Budget.generate` (admission, charging, extensions, preemption and resumption,
   continuation, cancellation, durability, engine failures).
 
-It runs on asyncio and trio alike (anyio only). Events are logged through
-``structlog.get_logger("kvbudget")`` (never per token).
+It runs on asyncio and trio alike (anyio only). Events are logged to structlog's ``"kvbudget"``
+logger through :func:`kvbudget.observability.get_logger` (never per token).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import anyio.abc
 import attrs
-import structlog
 from anyio.streams.memory import MemoryObjectSendStream
 
 from kvbudget.core import events as ev
@@ -57,13 +56,14 @@ from kvbudget.errors import (
     Preempted,
     UnknownRequest,
 )
+from kvbudget.observability import get_logger
 
 if TYPE_CHECKING:
     from kvbudget.core.cost import CostModel
     from kvbudget.core.lengths import LengthModel
     from kvbudget.core.policy import Policy
 
-log = structlog.get_logger("kvbudget")
+log = get_logger("kvbudget")
 
 ShutdownMode = Literal["drain", "cancel"]
 Outcome = Literal["completed", "cancelled", "rejected", "failed", "continued"]

@@ -4,13 +4,15 @@ This module owns how kvbudget is *watched* (DESIGN §9); it decides nothing.
 
 Structlog events
 ----------------
-Every event is logged through ``structlog.get_logger("kvbudget")`` (:func:`get_logger`), never per
-token. The lifecycle events are emitted by the anyio shell (:mod:`kvbudget.budget`), which already
-logs them as the core's actions are carried out; this module does not log them a second time but
-catalogues them in :data:`EVENTS` (name, level, fields, meaning) so the catalogue, the docs
-(``docs/operations.md``) and the tests agree. Each per-request event carries ``request_id``,
-``service_class`` and ``tenant`` (the field is ``service_class``, not ``class``: ``class`` is a
-Python keyword and cannot be a structlog keyword argument).
+Every event is logged to structlog's ``"kvbudget"`` logger through :func:`get_logger`, never per
+token; an application that has not configured structlog sees them from ``info`` up only
+(:class:`KvbudgetLogger`). The lifecycle events are emitted by the anyio shell
+(:mod:`kvbudget.budget`), which already logs them as the core's actions are carried out; this
+module does not log them a second time but catalogues them in :data:`EVENTS` (name, level,
+fields, meaning) so the catalogue, the docs (``docs/operations.md``) and the tests agree. Each
+per-request event carries ``request_id``, ``service_class`` and ``tenant`` (the field is
+``service_class``, not ``class``: ``class`` is a Python keyword and cannot be a structlog keyword
+argument).
 
 Adapters and applications that need to log one of these events themselves (e.g. an engine adapter
 that reconciles against the engine's reported KV usage) use :func:`emit`, which checks the name
@@ -33,6 +35,7 @@ the optional extra ``kvbudget[prometheus]``, imported only when an exporter is b
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final
@@ -191,9 +194,55 @@ _EVENT_LIST: tuple[EventSpec, ...] = (
 EVENTS: Final[Mapping[str, EventSpec]] = {e.name: e for e in _EVENT_LIST}
 
 
-def get_logger() -> Any:
-    """The structlog logger kvbudget logs to (``structlog.get_logger("kvbudget")``)."""
-    return structlog.get_logger(LOGGER_NAME)
+class KvbudgetLogger:
+    """kvbudget's structlog logger, polite to an application that never configured structlog.
+
+    Once the application has configured structlog (``structlog.configure``), every event goes
+    through its configuration, at whatever level it filters. Until then structlog would print
+    everything, and a server that embeds kvbudget would see an admission, an extension and a
+    confirmation line for every request: so, unconfigured, kvbudget's events are printed with
+    structlog's defaults from ``info`` up only (see ``docs/operations.md``).
+    """
+
+    __slots__ = ("_configured", "_quiet")
+
+    def __init__(self, name: str) -> None:
+        self._configured = structlog.get_logger(name)
+        self._quiet = structlog.wrap_logger(
+            None,
+            wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+            logger_name=name,
+        )
+
+    def _target(self) -> Any:
+        return self._configured if structlog.is_configured() else self._quiet
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self._target().debug(event, **fields)
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._target().info(event, **fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._target().warning(event, **fields)
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._target().error(event, **fields)
+
+    def exception(self, event: str, **fields: Any) -> None:
+        self._target().exception(event, **fields)
+
+
+_LOGGERS: dict[str, KvbudgetLogger] = {}
+
+
+def get_logger(name: str = LOGGER_NAME) -> KvbudgetLogger:
+    """The logger kvbudget logs to: structlog's ``"kvbudget"`` (or ``name``), through
+    :class:`KvbudgetLogger`."""
+    logger = _LOGGERS.get(name)
+    if logger is None:
+        logger = _LOGGERS[name] = KvbudgetLogger(name)
+    return logger
 
 
 def emit(
@@ -597,6 +646,7 @@ __all__ = [
     "SHELL_COUNTERS",
     "UNDERESTIMATION",
     "EventSpec",
+    "KvbudgetLogger",
     "PrometheusExporter",
     "emit",
     "format_snapshot",

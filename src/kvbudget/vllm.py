@@ -50,7 +50,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import anyio.abc
 import attrs
-import structlog
 
 from kvbudget.budget import Budget, GenerationResult
 from kvbudget.core.model import Capacity, Checkpoint, RequestSpec, ServiceClass
@@ -62,6 +61,7 @@ from kvbudget.errors import (
     InvalidInput,
     KvBudgetError,
 )
+from kvbudget.observability import get_logger
 
 if TYPE_CHECKING:
     from kvbudget.core.cost import CostModel
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from kvbudget.core.policy import Policy
     from kvbudget.core.stats import Snapshot
 
-log = structlog.get_logger("kvbudget.vllm")
+log = get_logger("kvbudget.vllm")
 
 #: Tokens each grant reserves past its boundary. The reader pauses a vLLM request as soon as its
 #: stream reaches the boundary; by then the engine may have scheduled one more step (measured:
