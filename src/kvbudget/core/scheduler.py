@@ -297,6 +297,7 @@ class Scheduler:
         if queue.count >= self.config.max_queued and (queue.count or wait > 0.0):
             # a full queue turns away callers that would wait, not one admitted at once
             return [self._reject_new(req, self._retry_after(req, queue), "queue-full")]
+        req.expiry = self._queue_expiry(req)
         bound = self._wait_bound(req, now)
         if wait > 0.0 and bound is not None and wait > bound:
             return [self._reject_new(req, wait, "deadline")]
@@ -324,9 +325,9 @@ class Scheduler:
         return expiry
 
     def _note_queued(self, req: Request) -> None:
-        expiry = req.expiry = self._queue_expiry(req)
-        if expiry < self._expiry_floor[req.cls.name]:
-            self._expiry_floor[req.cls.name] = expiry
+        """``req`` joined its queue with ``req.expiry`` set: keep its class's expiry floor."""
+        if req.expiry < self._expiry_floor[req.cls.name]:
+            self._expiry_floor[req.cls.name] = req.expiry
 
     def _weight(self, tenant: str) -> float:
         return float(self.config.tenant_weights.get(tenant, 1.0))
@@ -346,9 +347,12 @@ class Scheduler:
         return allowance
 
     def _wait_bound(self, req: Request, now: float) -> float | None:
-        """Seconds from ``now`` that ``req`` may still wait for admission (None: unbounded)."""
-        expiry = self._queue_expiry(req)
-        return None if expiry == math.inf else expiry - now
+        """Seconds from ``now`` that ``req`` may still wait for admission (None: unbounded).
+
+        Read from ``req.expiry``, fixed when it was queued, so that the turn-away in
+        :meth:`tick` and the preemption slack agree however the cost model moves since.
+        """
+        return None if req.expiry == math.inf else req.expiry - now
 
     def _release_rate(self, now: float) -> float:
         """Blocks per second returned recently (0 when nothing was released yet)."""
@@ -626,6 +630,7 @@ class Scheduler:
                 # it would block its class until its deadline. End it explicitly.
                 actions.append(self._expire(req, self.config.max_retry_after_s, "too-large"))
             else:
+                req.expiry = self._queue_expiry(req)
                 self._queues[req.cls.name].push(
                     req, self._weight(req.spec.tenant), front=req.requeue_front
                 )
