@@ -366,6 +366,53 @@ def test_headroom_forecast_judges_a_long_protected_stream_by_what_it_outlived() 
     assert demand["b"] < 0.05
 
 
+def _borrowing_setup(long_stream: bool) -> Scheduler:
+    """Every answer seen is 100 tokens long; one release has been seen (so a queued head could
+    expect the next); with ``long_stream``, a protected stream extended past 100 tokens runs;
+    then batch work fills the admission budget, and nothing waits to extend."""
+    lengths = LengthModel(prior_tokens=8)
+    for _ in range(200):
+        lengths.observe(spec().calibration_key, 100)
+        lengths.observe(spec(cls="interactive").calibration_key, 100)
+    s = Scheduler(Capacity(64, 16), lengths=lengths, config=SchedulerConfig(slack_tokens=0),
+                  policy=CalibratedPolicy(headroom_min=0.25, protected_fraction=0.0625))
+    assert of(s.arrive("b0", spec(prompt=16, max_tokens=400), 0.0), ev.Admit)
+    s.charge("b0", 50, 0.0)
+    s.finish("b0", "stop", 0.0)
+    s.confirm_release("b0", 0.0)
+    if long_stream:
+        s.arrive("long", spec(prompt=16, max_tokens=400, cls="interactive"), 0.0)
+        while s.requests["long"].boundary <= 100:
+            assert of(to_boundary(s, "long", 0.0), ev.Extend, "long")
+    for i in range(1, 10):
+        s.arrive(f"b{i}", spec(prompt=16, max_tokens=400), 0.01)
+    assert s.requests["b9"].state is State.QUEUED and not s._waiting_ext
+    return s
+
+
+def test_protected_head_takes_unprotected_headroom_while_the_forecast_holds() -> None:
+    """A protected head that does not fit the admission budget takes the headroom beyond its
+    protected part at once, when no extension waits for it (the head's wait is certain, the
+    pool's demand a forecast); not once a protected stream's grant has outrun everything the
+    length model has seen, as a wave of long answers does: then the headroom is kept for it."""
+    for long_stream in (False, True):
+        s = _borrowing_setup(long_stream)
+        policy = s.policy
+        assert isinstance(policy, CalibratedPolicy)
+        assert policy._outrun == ({"long"} if long_stream else set())
+        head = spec(prompt=16, max_tokens=400, cls="interactive")
+        blocks = 8  # 16 prompt tokens + the 100-token median
+        assert not s.ledger.fits_admission(blocks)
+        assert s.ledger.free - blocks >= s.ledger.protected_blocks
+        out = s.arrive("i", head, 0.02)
+        assert not of(out, ev.Preempt)
+        if long_stream:
+            assert not of(out, ev.Admit) and s.requests["i"].state is State.QUEUED
+        else:
+            assert of(out, ev.Admit, "i") and s.requests["i"].blocks == blocks
+            assert s.ledger.free < s.ledger.headroom_target  # it took headroom
+
+
 def test_past_future_draws_once_per_instant_for_a_refused_head() -> None:
     """LightLLM's past-future test runs once per scheduling step: a head it refused is not
     drawn for again at the same instant with the same requests running, but is at the next."""

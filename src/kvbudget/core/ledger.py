@@ -13,9 +13,10 @@ Capacity is ``C`` whole blocks. Every block is in exactly one of two places: hel
 So ``reserved + free == C`` always, an admission needs ``free - blocks >= headroom_target``, an
 unprotected extension needs ``free - blocks >= protected_blocks`` and a protected one only
 ``free >= blocks``. One exception, decided by the scheduler: a protected request at the head of
-the queue that would otherwise checkpoint batch work to meet its bound may take the headroom
-beyond the protected part (``free - blocks >= protected_blocks``) first. Headroom "in use" is
-how far ``free`` has fallen below the target.
+the queue may take the headroom beyond the protected part (``free - blocks >= protected_blocks``)
+when its policy's gate allows it and no extension is waiting, or, while extensions wait, instead
+of checkpointing batch work to meet its bound. Headroom "in use" is how far ``free`` has fallen
+below the target.
 
 A grant covers ``boundary`` output tokens: ``blocks = ceil((prompt + boundary + slack) / B)``
 where ``slack`` is a small per-grant reserve for engines that overshoot by a step before they can

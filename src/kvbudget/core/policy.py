@@ -154,6 +154,10 @@ class CalibratedPolicy(BasePolicy):
       the conditional quantile; for a protected stream P(extend) is conditioned on the length it
       has already outlived), clamped to ``[headroom_min, headroom_max]`` of capacity;
       ``protected_fraction`` of capacity is reserved for protected classes;
+    * a protected head that does not fit the admission budget may take the headroom beyond its
+      protected part (the scheduler's rule: at once while no extension waits) unless a protected
+      stream's grant has outrun everything its distribution has seen (:meth:`admit`): then the
+      forecast is real demand and the headroom is kept for it;
     * a protected request stopped at its boundary preempts preemptible work of lower priority
       (lowest recompute cost first, most deadline slack first); others wait or, when they allow
       it, end with a continuation.
@@ -189,6 +193,7 @@ class CalibratedPolicy(BasePolicy):
         )
         self._demand = 0.0
         self._demand_of: dict[str, float] = {}
+        self._outrun: set[str] = set()
 
     def headroom_target(self) -> int:
         cap = self._s.capacity.blocks
@@ -216,6 +221,15 @@ class CalibratedPolicy(BasePolicy):
 
     def lookahead_tokens(self, req: Request) -> int:
         return self.lookahead_blocks * self.block_size
+
+    def admit(self, req: Request, blocks: int) -> bool:
+        # A protected head that does not fit its admission budget may take the unprotected
+        # headroom (the scheduler's rule) only while the forecast behind it holds: once a
+        # protected stream has outlived everything its distribution has seen, as a wave of
+        # long answers does, its extensions are real demand, and the headroom is kept for them.
+        return not (
+            self._outrun and req.cls.protected and not self._s.ledger.fits_admission(blocks)
+        )
 
     def extension_tokens(self, req: Request) -> int | None:
         if req.boundary >= req.hard_max:
@@ -278,6 +292,7 @@ class CalibratedPolicy(BasePolicy):
 
     def on_granted(self, req: Request) -> None:
         # expected extension demand of this grant: P(extend) x the growth still expected
+        outrun = False
         if req.boundary >= req.hard_max:
             demand = 0.0
         else:
@@ -286,12 +301,18 @@ class CalibratedPolicy(BasePolicy):
             if self._step(req) is not None:
                 # a stepped grant still expects to grow to its calibrated target
                 step = max(step, min(req.hard_max, target) - req.boundary)
-            demand = self._p_extend(req) * blocks_for(step, self.block_size)
+            p_extend, outrun = self._p_extend(req)
+            demand = p_extend * blocks_for(step, self.block_size)
         self._demand += demand - self._demand_of.get(req.request_id, 0.0)
         self._demand_of[req.request_id] = demand
+        if outrun:
+            self._outrun.add(req.request_id)
+        else:
+            self._outrun.discard(req.request_id)
 
-    def _p_extend(self, req: Request) -> float:
-        """How likely ``req`` outgrows its grant, as the headroom forecast counts it.
+    def _p_extend(self, req: Request) -> tuple[float, bool]:
+        """How likely ``req`` outgrows its grant, as the headroom forecast counts it, and
+        whether it is a protected stream that has outlived everything its distribution has seen.
 
         A protected stream is judged by what it has already outlived, P(L > boundary | L >
         generated): under a heavy tail one that ran long is likely to run longer (one that
@@ -301,12 +322,17 @@ class CalibratedPolicy(BasePolicy):
         """
         lengths = self._s.lengths
         beyond = lengths.survival(req.key, req.boundary)
-        if not (req.cls.protected and req.generated):
-            return beyond
+        if not req.cls.protected:
+            return beyond, False
+        if not req.generated:
+            return beyond, beyond <= 1e-9
         alive = lengths.survival(req.key, req.generated)
-        return 1.0 if alive <= 1e-9 else min(1.0, beyond / alive)
+        if alive <= 1e-9:
+            return 1.0, True
+        return min(1.0, beyond / alive), beyond <= 1e-9
 
     def on_leave(self, req: Request) -> None:
+        self._outrun.discard(req.request_id)
         self._demand -= self._demand_of.pop(req.request_id, 0.0)
         if not self._demand_of:
             self._demand = 0.0  # shed float drift when idle

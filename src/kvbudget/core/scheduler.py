@@ -955,11 +955,19 @@ class Scheduler:
     def _preempt_for_admission(
         self, req: Request, blocks: int, gates_ok: bool, now: float, actions: list[ev.Action]
     ) -> bool:
-        """A protected head that does not fit: wait, take headroom, or checkpoint batch work.
+        """A protected head that does not fit: take headroom, wait, or checkpoint batch work.
 
         Returns True when the head may be admitted now, into the unprotected part of the
-        headroom pool (only if ``gates_ok``: the policy's gate and the latency floor allow it).
+        headroom pool (only if ``gates_ok``: the policy's gate and the latency floor allow it):
+        at once while no extension waits, otherwise only where batch work would be checkpointed.
         """
+        floor = self.ledger.protected_blocks
+        if gates_ok and not self._waiting_ext and self.ledger.free - blocks >= floor:
+            # The headroom is a forecast of extension demand, and no extension is waiting for
+            # it; the head's wait is certain and its first-token clock runs. An extension that
+            # later finds the pool short can still preempt batch work (protected) or wait at its
+            # boundary (batch). The policy's gate decides when the forecast is to be kept whole.
+            return True
         if self.preempting:
             return False  # room is already on its way back; do not preempt twice for one head
         slack = self._wait_bound(req, now)
@@ -989,7 +997,6 @@ class Scheduler:
         # first: it is a forecast of extension demand, not blocks anyone holds (a protected
         # extension it displaces can still preempt batch work at its own boundary; a batch one
         # waits for the next release). Only what that does not cover is checkpointed.
-        floor = self.ledger.protected_blocks
         if self.ledger.free - blocks >= floor:
             return gates_ok
         need = blocks - (self.ledger.free - floor)
