@@ -14,8 +14,9 @@ that may have freed blocks or changed demand, :meth:`_pump` runs three passes:
 2. *admissions*: queued requests in class-priority order and, within a class, weighted stride
    order across tenants; each needs its grant to fit the admission budget (leaving the headroom
    target free), the policy's own gate, the concurrency cap and the latency floor of active
-   streams. A protected head that does not fit may, at its last responsible moment, take the
-   headroom beyond its protected part before any batch work is checkpointed for it;
+   streams. A protected head that does not fit may take the headroom beyond its protected part:
+   at once while no extension waits and the policy's gate allows it, otherwise at its last
+   responsible moment, before any batch work is checkpointed for it;
 3. *progress*: if requests wait at their boundaries and nothing else runs or is being released,
    one of them is checkpointed so the rest can move (no silent truncation, no deadlock).
 
