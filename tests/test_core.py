@@ -177,6 +177,8 @@ def test_capacity_sizes(field: str, value: object) -> None:
         ("confirm_timeout_s", math.nan),
         ("confirm_timeout_s", 0.0),
         ("release_rate_window_s", math.inf),
+        ("prefill_chunk_tokens", 0),
+        ("prefill_chunk_tokens", 2.5),
     ],
 )
 def test_scheduler_config(field: str, value: object) -> None:
@@ -411,6 +413,35 @@ def test_protected_head_takes_unprotected_headroom_while_the_forecast_holds() ->
         else:
             assert of(out, ev.Admit, "i") and s.requests["i"].blocks == blocks
             assert s.ledger.free < s.ledger.headroom_target  # it took headroom
+
+
+@pytest.mark.parametrize(
+    ("prompt", "chunk", "admitted"),
+    [(400, 2048, True), (1000, 2048, False), (1000, 400, True), (1000, None, False)],
+)
+def test_latency_floor_counts_the_prefill_an_admission_brings(
+    prompt: int, chunk: int | None, admitted: bool
+) -> None:
+    """The steps that prefill a newcomer's prompt carry up to ``prefill_chunk_tokens`` of it
+    beside every active stream's decode: an admission whose prefill would push that step past
+    an active stream's latency floor waits (decode 50 ms + 0.1 ms per prompt token, floor 0.1 s).
+    """
+    from kvbudget.core.cost import CostModel, StepTimeModel
+
+    cls = ServiceClass("interactive", priority=0, protected=True, preemptible=False,
+                       latency_floor_s=0.1)
+    cost = CostModel(StepTimeModel(fixed_s=0.05, per_seq_s=0.0, per_context_token_s=0.0,
+                                   prefill_per_token_s=1e-4))
+    s = Scheduler(Capacity(1000, 16), classes=(cls,), policy=ReserveMaxPolicy(), cost=cost,
+                  config=SchedulerConfig(prefill_chunk_tokens=chunk))
+    assert of(s.arrive("a", spec(prompt=16, max_tokens=100, cls="interactive"), 0.0), ev.Admit)
+    out = s.arrive("b", spec(prompt=prompt, max_tokens=100, cls="interactive"), 0.0)
+    assert bool(of(out, ev.Admit, "b")) is admitted
+    if not admitted:  # it waits, and comes in once the stream it would have slowed is gone
+        assert s.requests["b"].state is State.QUEUED
+        s.charge("a", 100, 0.1)
+        out = s.finish("a", "length", 0.1) + s.confirm_release("a", 0.1)
+        assert of(out, ev.Admit, "b")
 
 
 def test_past_future_draws_once_per_instant_for_a_refused_head() -> None:

@@ -632,7 +632,13 @@ class BudgetedEngine:
             self.max_num_seqs if cfg.max_active is None else min(cfg.max_active, self.max_num_seqs)
         )
         slack = cfg.slack_tokens or DEFAULT_SLACK_TOKENS
-        cfg = attrs.evolve(cfg, max_active=max_active, slack_tokens=slack)
+        # the engine prefills at most max_num_batched_tokens per step, whatever the config says
+        chunk = int(vc.scheduler_config.max_num_batched_tokens)
+        if cfg.prefill_chunk_tokens is not None:
+            chunk = min(chunk, cfg.prefill_chunk_tokens)
+        cfg = attrs.evolve(
+            cfg, max_active=max_active, slack_tokens=slack, prefill_chunk_tokens=chunk
+        )
         self.slack_tokens = slack
         #: the kvbudget Budget that owns the promises
         self.budget = Budget(

@@ -80,6 +80,10 @@ class SchedulerConfig:
     ``retry_after``. ``min_retry_after_s``/``max_retry_after_s`` clamp what callers are told.
     ``remember_released``: how many finished request ids are kept to recognise late events.
     ``tenant_weights``: weighted fairness across tenants inside a class (default weight 1).
+    ``prefill_chunk_tokens``: the most prompt tokens the engine prefills in one step (vLLM's
+    ``max_num_batched_tokens`` under chunked prefill; 2,048 is its long-standing default; None:
+    a prompt is prefilled in one step). An admission's prefill, up to this many tokens, counts
+    in the step time that the latency floor of active streams is checked against.
     """
 
     slack_tokens: int = attrs.field(default=0)
@@ -91,6 +95,7 @@ class SchedulerConfig:
     max_retry_after_s: float = attrs.field(default=60.0)
     remember_released: int = attrs.field(default=10_000)
     tenant_weights: Mapping[str, float] = attrs.field(factory=dict)
+    prefill_chunk_tokens: int | None = attrs.field(default=2048)
 
     def __attrs_post_init__(self) -> None:
         check_int("slack_tokens", self.slack_tokens, minimum=0, maximum=1 << 20)
@@ -104,6 +109,8 @@ class SchedulerConfig:
         check_int("remember_released", self.remember_released, minimum=0)
         for tenant, weight in self.tenant_weights.items():
             check_float(f"tenant_weights[{tenant!r}]", weight, open_min=True)
+        if self.prefill_chunk_tokens is not None:
+            check_int("prefill_chunk_tokens", self.prefill_chunk_tokens, minimum=1)
 
 
 class _TenantQueue:
@@ -910,8 +917,12 @@ class Scheduler:
         )
         actions.append(ev.Continue(req.request_id, cont))
 
-    def _within_floor(self, extra_seqs: int, extra_context: int) -> bool:
-        """Would a step with this much more work stay under every active stream's floor?"""
+    def _within_floor(self, extra_seqs: int, extra_context: int, prefill_tokens: int = 0) -> bool:
+        """Would a step with this much more work stay under every active stream's floor?
+
+        ``prefill_tokens``: the prompt an admission brings; the steps that prefill it carry up
+        to ``prefill_chunk_tokens`` of it beside the decode of every active stream.
+        """
         if not self._active_by_floor:
             return True
         floor = min(self._active_by_floor)
@@ -920,6 +931,11 @@ class Scheduler:
         predicted = self.cost.predict_decode(
             self.active + extra_seqs, self.active_context + extra_context
         )
+        if prefill_tokens:
+            chunk = self.config.prefill_chunk_tokens
+            predicted += self.cost.predict_prefill(
+                prefill_tokens if chunk is None else min(prefill_tokens, chunk)
+            )
         return predicted <= floor
 
     def _admit(self, now: float, actions: list[ev.Action]) -> None:
@@ -943,7 +959,9 @@ class Scheduler:
                     )
                     and (
                         self.active == 0
-                        or self._within_floor(1, req.prompt + req.generated + allowance)
+                        or self._within_floor(
+                            1, req.prompt + req.generated + allowance, req.prompt + req.generated
+                        )
                     )
                 )
                 if not (fits and ok) and not (

@@ -229,7 +229,9 @@ class _Sim:
             policy=pol,
             lengths=LengthModel(),
             cost=CostModel(),
-            config=SchedulerConfig(max_active=engine.max_batch),
+            config=SchedulerConfig(
+                max_active=engine.max_batch, prefill_chunk_tokens=engine.prefill_chunk_tokens
+            ),
         )
         self.progress = progress
         self.check_invariants = check_invariants
