@@ -608,6 +608,7 @@ def test_queued_caller_turned_away_once_a_first_token_in_time_is_impossible() ->
                                    prefill_per_token_s=1e-3))  # 1,500 prompt tokens: 1.5 s
     s = Scheduler(Capacity(200, 16), classes=(cls,), policy=ReserveMaxPolicy(), cost=cost)
     s.arrive("hog", spec(prompt=1600, max_tokens=100, cls="interactive"), 0.0)  # 107 blocks
+    s.charge("hog", 1, 0.0)  # its prefill is done: nothing queued ahead of the next caller
     s.arrive("w", spec(prompt=1500, max_tokens=100, cls="interactive"), 0.0)  # 100 > 93 free
     assert s.requests["w"].state is State.QUEUED
     assert not of(s.tick(0.45), ev.Reject)
@@ -619,11 +620,39 @@ def test_queued_caller_turned_away_once_a_first_token_in_time_is_impossible() ->
     late = of(out, ev.Reject, "late")
     assert late and late[0].reason == "deadline" and "late" not in s.requests
     # ... while one the cache can take now is admitted (its first token is as early as can be)
-    s.charge("hog", 100, 1.0)
+    s.charge("hog", 99, 1.0)
     s.finish("hog", "length", 1.0)
     s.confirm_release("hog", 1.0)
     out = s.arrive("now", spec(prompt=2100, max_tokens=100, cls="interactive"), 1.0)
     assert of(out, ev.Admit, "now")
+
+
+def test_caller_turned_away_when_its_first_token_would_come_late_behind_queued_prefill() -> None:
+    """The prefill already queued in the engine delays a newcomer's first token: a head that
+    would miss its objective behind it is turned away at admission ("overloaded" now, and its
+    prefill is not taken from callers who can still be served); the backlog is returned as
+    first tokens come and as requests leave, and each first token refits the forecast."""
+    from kvbudget.core.cost import CostModel, StepTimeModel
+
+    cls = ServiceClass("interactive", priority=0, protected=True, preemptible=False,
+                       ttft_slo_s=2.0, max_queue_delay_s=10.0)
+    cost = CostModel(StepTimeModel(fixed_s=0.01, per_seq_s=0.0, per_context_token_s=0.0,
+                                   prefill_per_token_s=1e-3))  # 1,000 prompt tokens: 1 s
+    s = Scheduler(Capacity(10_000, 16), classes=(cls,), policy=ReserveMaxPolicy(), cost=cost)
+    assert of(s.arrive("a", spec(prompt=1000, max_tokens=10, cls="interactive"), 0.0), ev.Admit)
+    assert s.prefill_backlog == 1000
+    out = s.arrive("b", spec(prompt=1000, max_tokens=10, cls="interactive"), 0.0)  # 2.01 s
+    rej = of(out, ev.Reject, "b")
+    assert rej and rej[0].reason == "queue-timeout" and "b" not in s.requests
+    assert of(s.arrive("c", spec(prompt=500, max_tokens=10, cls="interactive"), 0.0), ev.Admit)
+    assert s.prefill_backlog == 1500
+    s.charge("a", 1, 1.0)
+    assert s.prefill_backlog == 500 and cost.first_token_observations == 1
+    s.cancel("c", 1.1)
+    assert s.prefill_backlog == 0
+    # with nothing queued ahead, the same prompt is admitted
+    assert of(s.arrive("d", spec(prompt=1000, max_tokens=10, cls="interactive"), 1.2), ev.Admit)
+    assert s.snapshot().totals.rejected == 1
 
 
 def test_deadlock_breaker_checkpoints_one_of_the_stuck() -> None:

@@ -204,3 +204,33 @@ def test_noisy_observations_are_averaged() -> None:
         cm.observe_decode(b, c, max(0.0, TRUE.decode_time(b, c) + rng.gauss(0.0, 0.002)))
     for b, c in [(1, 100), (32, 32_000), (128, 400_000)]:
         assert cm.predict_decode(b, c) == pytest.approx(TRUE.decode_time(b, c), abs=5e-4)
+
+
+def test_first_token_delay_prior_then_fit() -> None:
+    """Until 20 first tokens were seen the prediction is one step plus the prefill of every
+    token ahead; then the forgetting-weighted line through what was seen (which includes the
+    decode steps chunked prefill interleaves, that the prior leaves out)."""
+    cm = CostModel(TRUE)
+    assert cm.predict_first_token(3000) == pytest.approx(TRUE.fixed_s + TRUE.prefill_time(3000))
+    rng = random.Random(3)
+    for i in range(60):
+        ahead = rng.randint(100, 20_000)
+        cm.observe_first_token(ahead, 0.08 + 2.5e-4 * ahead)
+        if i < 19:
+            assert cm.predict_first_token(0) == pytest.approx(TRUE.fixed_s)
+    assert cm.first_token_observations == 60
+    assert cm.predict_first_token(0) == pytest.approx(0.08, rel=1e-6)
+    assert cm.predict_first_token(10_000) == pytest.approx(2.58, rel=1e-6)
+    # every first token after the same backlog: the mean, not a slope out of nothing
+    flat = CostModel(TRUE)
+    for _ in range(30):
+        flat.observe_first_token(500, 0.3)
+    assert flat.predict_first_token(50_000) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize(("ahead", "seconds"), [(-1, 0.1), (1.5, 0.1), (10, -0.1), (10, math.nan)])
+def test_first_token_observation_rejects_bad_input(ahead: object, seconds: object) -> None:
+    cm = CostModel()
+    with pytest.raises(InvalidInput):
+        cm.observe_first_token(ahead, seconds)  # type: ignore[arg-type]
+    assert cm.first_token_observations == 0

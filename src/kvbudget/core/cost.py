@@ -4,7 +4,10 @@ This module owns :class:`StepTimeModel` (a linear step-time model: a fixed cost 
 a cost per running sequence, a cost per token of context held by the batch, and a prefill cost
 per prompt token), its default :data:`DEFAULT_STEP_TIME`, and :class:`CostModel`, which starts
 from such a prior and refits it online from the engine's observed steps by recursive least
-squares with exponential forgetting. Pure and deterministic: no clock, no I/O, no numpy.
+squares with exponential forgetting. :class:`CostModel` also learns how long a first token takes
+after admission as a function of the prefill tokens queued in the engine ahead of it (the
+request's own included), which is what a time-to-first-token objective is judged against. Pure
+and deterministic: no clock, no I/O, no numpy.
 
 Where the defaults come from
 ----------------------------
@@ -110,6 +113,7 @@ _B: Final = 64.0  # batch size scale
 _C: Final = 65536.0  # context token scale
 _T: Final = 1024.0  # prefill token scale
 _P0: Final = 100.0  # prior variance of each scaled coefficient (prior std ~10 ms)
+_FT_MIN: Final = 20  # first-token observations before the fit replaces the prior
 _TRACE_MAX: Final = 3.0 * _P0  # bound on trace(P): no covariance wind-up without excitation
 
 
@@ -128,6 +132,8 @@ class CostModel:
     __slots__ = (
         "_current",
         "_forgetting",
+        "_ft",
+        "_ft_n",
         "_p",
         "_pp",
         "_prefills",
@@ -155,6 +161,9 @@ class CostModel:
         self._steps = 0
         self._prefills = 0
         self._current: StepTimeModel | None = prior
+        # first-token fit: forgetting-weighted sums of 1, x, y, x*x, x*y (x in 1,024 tokens)
+        self._ft = [0.0, 0.0, 0.0, 0.0, 0.0]
+        self._ft_n = 0
 
     @property
     def prior(self) -> StepTimeModel:
@@ -193,6 +202,51 @@ class CostModel:
     def predict_prefill(self, tokens: int) -> float:
         """Predicted seconds a prefill of ``tokens`` prompt tokens adds to its step."""
         return self.current().prefill_time(tokens)
+
+    @property
+    def first_token_observations(self) -> int:
+        return self._ft_n
+
+    def predict_first_token(self, tokens_ahead: int) -> float:
+        """Predicted seconds from admission to first token with ``tokens_ahead`` prompt tokens
+        queued for prefill in the engine, the request's own included.
+
+        Until enough first tokens were observed: one step plus the prefill of everything ahead
+        (the prior, which leaves out the decode steps that chunked prefill interleaves). Then
+        the forgetting-weighted least-squares line through the observations (slope >= 0).
+        """
+        x = tokens_ahead / _T
+        if self._ft_n < _FT_MIN:
+            prior = self.current()
+            return prior.fixed_s + prior.prefill_time(tokens_ahead)
+        w, sx, sy, sxx, sxy = self._ft
+        det = w * sxx - sx * sx
+        if det <= 1e-12 * max(1.0, w * sxx):
+            return max(0.0, sy / w)
+        slope = max(0.0, (w * sxy - sx * sy) / det)
+        return max(0.0, (sy - slope * sx) / w + slope * x)
+
+    def observe_first_token(self, tokens_ahead: int, seconds: float) -> None:
+        """A first token came ``seconds`` after admission, ``tokens_ahead`` tokens queued for
+        prefill in the engine at that admission (its own included). O(1)."""
+        if not (
+            tokens_ahead.__class__ is int
+            and seconds.__class__ is float
+            and tokens_ahead >= 0
+            and 0.0 <= seconds < math.inf
+        ):
+            check_int("tokens_ahead", tokens_ahead, minimum=0)
+            check_float("seconds", seconds, minimum=0.0)
+        x = tokens_ahead / _T
+        y = float(seconds)
+        lam = self._forgetting
+        ft = self._ft
+        ft[0] = ft[0] * lam + 1.0
+        ft[1] = ft[1] * lam + x
+        ft[2] = ft[2] * lam + y
+        ft[3] = ft[3] * lam + x * x
+        ft[4] = ft[4] * lam + x * y
+        self._ft_n += 1
 
     def observe_decode(self, batch_size: int, context_tokens: int, step_s: float) -> None:
         """Fit one observed decode step: ``batch_size`` >= 1 sequences took ``step_s`` seconds."""

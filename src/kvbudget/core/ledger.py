@@ -132,6 +132,7 @@ class Request:
     """The core's record of one request. Mutable, slotted: it is touched on every token."""
 
     __slots__ = (
+        "admitted_at",
         "allowance",
         "arrival",
         "ask_at",
@@ -152,6 +153,8 @@ class Request:
         "last_token_at",
         "outcome",
         "preemptions",
+        "prefill_ahead",
+        "prefill_pending",
         "prompt",
         "release_started_at",
         "request_id",
@@ -189,6 +192,12 @@ class Request:
         self.seq = 0
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        #: when the current grant was admitted; the prefill tokens queued in the engine ahead of
+        #: its first token then (its own included); its own prefill still pending (0 once its
+        #: first token came or it left)
+        self.admitted_at = now
+        self.prefill_ahead = 0
+        self.prefill_pending = 0
         self.ask_at = 0
         self.ext_pending = False
         self.blocked_handled = False

@@ -213,6 +213,9 @@ class Scheduler:
         self._expiry_floor: dict[str, float] = dict.fromkeys(self.classes, math.inf)
         #: requests holding a live grant (admitted, running or extending), in admission order
         self.live: dict[str, Request] = {}
+        #: prompt (and recompute) tokens of admitted requests whose first token has not come yet:
+        #: the prefill queued in the engine ahead of the next admission
+        self.prefill_backlog = 0
         self._seq = 0
         self.active = 0  # requests holding a live grant (admitted/running/extending)
         self.releasing = 0  # requests stopped, blocks held until the engine confirms
@@ -357,10 +360,33 @@ class Scheduler:
     def _wait_bound(self, req: Request, now: float) -> float | None:
         """Seconds from ``now`` that ``req`` may still wait for admission (None: unbounded).
 
-        Read from ``req.expiry``, fixed when it was queued, so that the turn-away in
-        :meth:`tick` and the preemption slack agree however the cost model moves since.
+        ``req.expiry`` (fixed when it was queued: :meth:`tick` turns the caller away there), and
+        for a first token under an objective, less the time to it that the prefill queued in the
+        engine now predicts (:meth:`_first_token_late` turns the caller away there at admission).
         """
-        return None if req.expiry == math.inf else req.expiry - now
+        bound = None if req.expiry == math.inf else req.expiry - now
+        ttft = req.cls.ttft_slo_s
+        if ttft is not None and req.generated == 0 and req.state is State.QUEUED:
+            late = req.arrival + ttft - self._first_token_delay(req) - now
+            bound = late if bound is None else min(bound, late)
+        return bound
+
+    def _first_token_delay(self, req: Request) -> float:
+        """Predicted seconds from admitting ``req`` now to its first token."""
+        return self.cost.predict_first_token(self.prefill_backlog + req.prompt + req.generated)
+
+    def _first_token_late(self, req: Request, now: float) -> bool:
+        """Would the prefill queued in the engine make ``req``'s first token late if it were
+        admitted now? (Not if its own prefill alone already exceeds its objective: it can never
+        be met, and now is as early as that caller can be served.)"""
+        ttft = req.cls.ttft_slo_s
+        return (
+            ttft is not None
+            and req.generated == 0
+            and req.state is State.QUEUED
+            and self.cost.predict_first_token(req.prompt) <= ttft
+            and now + self._first_token_delay(req) > req.arrival + ttft
+        )
 
     def _release_rate(self, now: float) -> float:
         """Blocks per second returned recently (0 when nothing was released yet)."""
@@ -425,6 +451,10 @@ class Scheduler:
         elif state is _ADMITTED:
             req.state = _RUNNING
             req.first_token_at = now
+            if req.prefill_pending:
+                self.prefill_backlog -= req.prefill_pending
+                req.prefill_pending = 0
+                self.cost.observe_first_token(req.prefill_ahead, max(0.0, now - req.admitted_at))
         elif state is _RELEASING or state is _PREEMPTING:
             req.wasted += tokens
             req.stats.wasted_tokens += tokens
@@ -594,6 +624,9 @@ class Scheduler:
             self.preempting -= 1  # a preempted request stopped for good before its confirmation
 
     def _leave_active(self, req: Request) -> None:
+        if req.prefill_pending:
+            self.prefill_backlog -= req.prefill_pending
+            req.prefill_pending = 0
         self.active -= 1
         del self.live[req.request_id]
         self.active_context -= req.prompt + req.generated
@@ -653,6 +686,19 @@ class Scheduler:
             self._forget(req)
         actions.extend(self._pump(now))
         return actions
+
+    def _turn_away(self, req: Request, reason: str) -> ev.Reject:
+        """Take a queued request out of its queue for good: a caller is rejected (``reason``),
+        a checkpoint that can no longer resume in time ends as failed ("deadline")."""
+        self._dequeue(req)
+        if req.state is State.CHECKPOINTED:
+            return self._expire(req, self.config.min_retry_after_s, "deadline")
+        self.ledger.transition(req, Trigger.REJECT)
+        req.outcome = Outcome.REJECTED
+        req.stats.rejected += 1
+        self.requests.pop(req.request_id, None)
+        self._remember(req.request_id)
+        return ev.Reject(req.request_id, self._retry_after(req), reason)
 
     def _expire(self, req: Request, retry_after: float, reason: str) -> ev.Reject:
         """A checkpointed request that can no longer resume ends explicitly, as failed."""
@@ -722,18 +768,7 @@ class Scheduler:
                     floor = expiry
             self._expiry_floor[cls.name] = floor
             for req in expired:
-                self._dequeue(req)
-                if req.state is State.CHECKPOINTED:
-                    actions.append(self._expire(req, self.config.min_retry_after_s, "deadline"))
-                else:
-                    self.ledger.transition(req, Trigger.REJECT)
-                    req.outcome = Outcome.REJECTED
-                    req.stats.rejected += 1
-                    self.requests.pop(req.request_id, None)
-                    self._remember(req.request_id)
-                    actions.append(
-                        ev.Reject(req.request_id, self._retry_after(req), "queue-timeout")
-                    )
+                actions.append(self._turn_away(req, "queue-timeout"))
         timeout = self.config.confirm_timeout_s
         for req in list(self._stopping.values()):
             if (
@@ -968,6 +1003,12 @@ class Scheduler:
                     gated and self._preempt_for_admission(req, blocks, ok, now, actions)
                 ):
                     return  # strict priority: nothing behind the head jumps it
+                if self._first_token_late(req, now):
+                    # behind the prefill already queued in the engine its first token would be
+                    # late: a fast "overloaded" now, and its prefill is not taken from callers
+                    # who can still be served in time
+                    actions.append(self._turn_away(req, "queue-timeout"))
+                    continue
                 queue.pop(req)
                 self._grant(req, boundary, allowance, now, actions)
 
@@ -1038,6 +1079,10 @@ class Scheduler:
         req.seq = self._seq
         self.ledger.grant(req, boundary, self.policy.name)
         self._enter_active(req)
+        req.admitted_at = now
+        req.prefill_pending = req.prompt + req.generated
+        self.prefill_backlog += req.prefill_pending
+        req.prefill_ahead = self.prefill_backlog
         req.ask_at = max(req.boundary - self.policy.lookahead_tokens(req), req.generated + 1)
         if req.boundary >= req.hard_max:
             req.ask_at = req.hard_max + 1
