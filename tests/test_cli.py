@@ -87,3 +87,20 @@ def test_trace_file_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[
         main(["simulate", "--policy", "no-such-policy"])
     with pytest.raises(SystemExit):
         main(["simulate", "--rate-scale", "-1"])
+
+
+def test_turn_away_late_first_tokens_flag(tmp_path: Path) -> None:
+    """A burst of 40 prompts in a fraction of a second: with the flag, callers whose first token
+    the queued prefill would make late are turned away instead of admitted late; the run records
+    which way it went."""
+    burst = ["simulate", "--limit", "40", "--quiet", "--rate-scale", "20", "--policy",
+             "calibrated"]
+    docs = []
+    for flag in ([], ["--turn-away-late-first-tokens"]):
+        out_json = tmp_path / f"burst{len(flag)}.json"
+        assert main([*burst, *flag, "--json", str(out_json)]) == 0
+        docs.append(json.loads(out_json.read_text()))
+    off, on = (d["policies"]["calibrated"] for d in docs)
+    assert [d["scenario"]["turn_away_late_first_tokens"] for d in docs] == [False, True]
+    assert off["rejected"] == 0 < on["rejected"]
+    assert on["ttft_p99_s"] < off["ttft_p99_s"]

@@ -179,6 +179,7 @@ def test_capacity_sizes(field: str, value: object) -> None:
         ("release_rate_window_s", math.inf),
         ("prefill_chunk_tokens", 0),
         ("prefill_chunk_tokens", 2.5),
+        ("turn_away_late_first_tokens", 1),
     ],
 )
 def test_scheduler_config(field: str, value: object) -> None:
@@ -628,9 +629,10 @@ def test_queued_caller_turned_away_once_a_first_token_in_time_is_impossible() ->
 
 
 def test_caller_turned_away_when_its_first_token_would_come_late_behind_queued_prefill() -> None:
-    """The prefill already queued in the engine delays a newcomer's first token: a head that
-    would miss its objective behind it is turned away at admission ("overloaded" now, and its
-    prefill is not taken from callers who can still be served); the backlog is returned as
+    """With ``turn_away_late_first_tokens``: the prefill already queued in the engine delays a
+    newcomer's first token: a head that would miss its objective behind it is turned away at
+    admission ("overloaded" now, and its prefill is not taken from callers who can still be
+    served); the backlog is returned as
     first tokens come and as requests leave, and each first token refits the forecast."""
     from kvbudget.core.cost import CostModel, StepTimeModel
 
@@ -638,7 +640,9 @@ def test_caller_turned_away_when_its_first_token_would_come_late_behind_queued_p
                        ttft_slo_s=2.0, max_queue_delay_s=10.0)
     cost = CostModel(StepTimeModel(fixed_s=0.01, per_seq_s=0.0, per_context_token_s=0.0,
                                    prefill_per_token_s=1e-3))  # 1,000 prompt tokens: 1 s
-    s = Scheduler(Capacity(10_000, 16), classes=(cls,), policy=ReserveMaxPolicy(), cost=cost)
+    config = SchedulerConfig(turn_away_late_first_tokens=True)
+    s = Scheduler(Capacity(10_000, 16), classes=(cls,), policy=ReserveMaxPolicy(), cost=cost,
+                  config=config)
     assert of(s.arrive("a", spec(prompt=1000, max_tokens=10, cls="interactive"), 0.0), ev.Admit)
     assert s.prefill_backlog == 1000
     out = s.arrive("b", spec(prompt=1000, max_tokens=10, cls="interactive"), 0.0)  # 2.01 s
@@ -653,6 +657,12 @@ def test_caller_turned_away_when_its_first_token_would_come_late_behind_queued_p
     # with nothing queued ahead, the same prompt is admitted
     assert of(s.arrive("d", spec(prompt=1000, max_tokens=10, cls="interactive"), 1.2), ev.Admit)
     assert s.snapshot().totals.rejected == 1
+    # off (the default), the caller is admitted behind the backlog; the backlog is still kept
+    s = Scheduler(Capacity(10_000, 16), classes=(cls,), policy=ReserveMaxPolicy(), cost=cost)
+    for rid in ("a", "b"):
+        assert of(s.arrive(rid, spec(prompt=1000, max_tokens=10, cls="interactive"), 0.0),
+                  ev.Admit)
+    assert s.prefill_backlog == 2000
 
 
 def test_deadlock_breaker_checkpoints_one_of_the_stuck() -> None:

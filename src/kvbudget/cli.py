@@ -250,6 +250,13 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     g.add_argument(
         "--prefill-per-token-us", type=_nonneg_float, help="prefill cost per prompt token (us)"
     )
+    g = p.add_argument_group("scheduler (every policy)")
+    g.add_argument(
+        "--turn-away-late-first-tokens",
+        action="store_true",
+        help="turn away callers whose first token the prefill queued in the engine would make "
+        "late (SchedulerConfig.turn_away_late_first_tokens)",
+    )
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     g.add_argument("--plot", metavar="PATH", help="write a PNG chart")
@@ -322,11 +329,13 @@ def _workload_from(args: argparse.Namespace) -> Any:
 
 def _simulate(args: argparse.Namespace) -> int:
     from kvbudget.core.policy import POLICY_NAMES
+    from kvbudget.core.scheduler import SchedulerConfig
     from kvbudget.errors import KvBudgetError
     from kvbudget.sim import report
     from kvbudget.sim.driver import run_policies
     from kvbudget.sim.scenario import apply_scenario, overlay_summary
 
+    config = SchedulerConfig(turn_away_late_first_tokens=args.turn_away_late_first_tokens)
     try:
         engine = _engine_from(args)
         workload = _workload_from(args)
@@ -352,7 +361,13 @@ def _simulate(args: argparse.Namespace) -> int:
                 bar.update(_k * len(policies) + i + share, f"{policies[i]} at x{_rate:g}")
 
         results = run_policies(
-            requests, scenario, engine, policies, seed=args.seed, progress=progress
+            requests,
+            scenario,
+            engine,
+            policies,
+            seed=args.seed,
+            progress=progress,
+            config=config,
         )
         wl_summary = dict(workload.summary())
         wl_summary["overlay"] = overlay_summary(requests)
@@ -360,7 +375,10 @@ def _simulate(args: argparse.Namespace) -> int:
             report.RunResult(
                 policies=results,
                 workload=wl_summary,
-                scenario=scenario.to_dict(),
+                scenario={
+                    **scenario.to_dict(),
+                    "turn_away_late_first_tokens": config.turn_away_late_first_tokens,
+                },
                 engine=engine.to_dict(),
                 rate_scale=scenario.rate_scale,
             )

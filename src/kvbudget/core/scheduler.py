@@ -84,6 +84,13 @@ class SchedulerConfig:
     ``max_num_batched_tokens`` under chunked prefill; 2,048 is its long-standing default; None:
     a prompt is prefilled in one step). An admission's prefill, up to this many tokens, counts
     in the step time that the latency floor of active streams is checked against.
+    ``turn_away_late_first_tokens``: turn away a caller under a first-token objective whose first
+    token the prefill already queued in the engine would make late (at admission, and at
+    arrival when its expected wait leaves no time for that prefill), by the cost model's learned
+    time to a first token. Off by default: it refuses callers on a forecast that is only as good
+    as the shell's first-token reports (the first ``charge`` after admission must be the first
+    token, as in ``BudgetedEngine`` and the simulator). It pays off where prefill is what
+    saturates the engine (long prompts, short answers); see docs/benchmarks.md.
     """
 
     slack_tokens: int = attrs.field(default=0)
@@ -96,6 +103,7 @@ class SchedulerConfig:
     remember_released: int = attrs.field(default=10_000)
     tenant_weights: Mapping[str, float] = attrs.field(factory=dict)
     prefill_chunk_tokens: int | None = attrs.field(default=2048)
+    turn_away_late_first_tokens: bool = attrs.field(default=False)
 
     def __attrs_post_init__(self) -> None:
         check_int("slack_tokens", self.slack_tokens, minimum=0, maximum=1 << 20)
@@ -111,6 +119,10 @@ class SchedulerConfig:
             check_float(f"tenant_weights[{tenant!r}]", weight, open_min=True)
         if self.prefill_chunk_tokens is not None:
             check_int("prefill_chunk_tokens", self.prefill_chunk_tokens, minimum=1)
+        if not isinstance(self.turn_away_late_first_tokens, bool):
+            raise InvalidInput(
+                "turn_away_late_first_tokens", self.turn_away_late_first_tokens, "True or False"
+            )
 
 
 class _TenantQueue:
@@ -361,12 +373,18 @@ class Scheduler:
         """Seconds from ``now`` that ``req`` may still wait for admission (None: unbounded).
 
         ``req.expiry`` (fixed when it was queued: :meth:`tick` turns the caller away there), and
-        for a first token under an objective, less the time to it that the prefill queued in the
-        engine now predicts (:meth:`_first_token_late` turns the caller away there at admission).
+        with ``turn_away_late_first_tokens``, for a first token under an objective, less the time
+        to it that the prefill queued in the engine now predicts (:meth:`_first_token_late`
+        turns the caller away there at admission).
         """
         bound = None if req.expiry == math.inf else req.expiry - now
         ttft = req.cls.ttft_slo_s
-        if ttft is not None and req.generated == 0 and req.state is State.QUEUED:
+        if (
+            ttft is not None
+            and req.generated == 0
+            and req.state is State.QUEUED
+            and self.config.turn_away_late_first_tokens
+        ):
             late = req.arrival + ttft - self._first_token_delay(req) - now
             bound = late if bound is None else min(bound, late)
         return bound
@@ -382,6 +400,7 @@ class Scheduler:
         ttft = req.cls.ttft_slo_s
         return (
             ttft is not None
+            and self.config.turn_away_late_first_tokens
             and req.generated == 0
             and req.state is State.QUEUED
             and self.cost.predict_first_token(req.prompt) <= ttft

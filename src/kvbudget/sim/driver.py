@@ -71,6 +71,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
+import attrs
+
 from kvbudget.core import events as ev
 from kvbudget.core.cost import CostModel
 from kvbudget.core.lengths import LengthModel
@@ -215,6 +217,7 @@ class _Sim:
         seed: int,
         progress: Callable[[float], None] | None,
         check_invariants: bool,
+        config: SchedulerConfig | None = None,
     ) -> None:
         self.engine = engine
         self.scenario = scenario
@@ -229,8 +232,11 @@ class _Sim:
             policy=pol,
             lengths=LengthModel(),
             cost=CostModel(),
-            config=SchedulerConfig(
-                max_active=engine.max_batch, prefill_chunk_tokens=engine.prefill_chunk_tokens
+            # the engine's own limits, whatever else the config sets
+            config=attrs.evolve(
+                config or SchedulerConfig(),
+                max_active=engine.max_batch,
+                prefill_chunk_tokens=engine.prefill_chunk_tokens,
             ),
         )
         self.progress = progress
@@ -744,6 +750,7 @@ def simulate(
     seed: int = 0,
     progress: Callable[[float], None] | None = None,
     check_invariants: bool = False,
+    config: SchedulerConfig | None = None,
 ) -> PolicyResult:
     """Replay ``requests`` (from :func:`~kvbudget.sim.scenario.apply_scenario`) through one policy.
 
@@ -751,10 +758,18 @@ def simulate(
     :class:`~kvbudget.sim.engine.EngineModel`). ``policy``: a shipped policy name (``oracle``
     is built with the requests' true lengths) or a Policy instance. ``progress`` is called with
     the share of arrivals replayed. ``check_invariants`` asserts the ledger invariants at every
-    tick (slow; for tests). Deterministic for given inputs.
+    tick (slow; for tests). ``config``: the scheduler's knobs (its ``max_active`` and
+    ``prefill_chunk_tokens`` are the engine model's). Deterministic for given inputs.
     """
     sim = _Sim(
-        requests, scenario, engine or EngineModel(), policy, seed, progress, check_invariants
+        requests,
+        scenario,
+        engine or EngineModel(),
+        policy,
+        seed,
+        progress,
+        check_invariants,
+        config,
     )
     return sim.run()
 
@@ -767,6 +782,7 @@ def run_policies(
     *,
     seed: int = 0,
     progress: Callable[[int, float], None] | None = None,
+    config: SchedulerConfig | None = None,
 ) -> dict[str, PolicyResult]:
     """:func:`simulate` each policy over the same requests; fills ``goodput_vs_oracle``.
 
@@ -783,5 +799,7 @@ def run_policies(
             def cb(share: float, _i: int = i) -> None:
                 progress(_i, share)
 
-        results[name] = simulate(requests, scenario, engine, name, seed=seed, progress=cb)
+        results[name] = simulate(
+            requests, scenario, engine, name, seed=seed, progress=cb, config=config
+        )
     return with_oracle_ratio(results)

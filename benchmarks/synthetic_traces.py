@@ -1,0 +1,64 @@
+"""Write three synthetic traces, in the Azure trace's CSV format, unlike the conversation trace.
+
+They check the policies on workloads they were not tuned on (docs/benchmarks.md, "Traces it was
+not tuned on"): ``code.csv`` (long prompts, short answers: prefill-bound, 6 req/s for an hour),
+``reason.csv`` (short prompts, long heavy-tailed answers, 1 req/s) and ``bursty.csv`` (gamma
+arrivals with a coefficient of variation of 3, half short and half long answers). Seeded.
+
+    python benchmarks/synthetic_traces.py OUT_DIR
+    kvbudget simulate --trace OUT_DIR/code.csv --sweep-rate 0.7,1.0,1.3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+
+def _write(path: Path, ts: Iterable[float], prompt: Iterable[float], out: Iterable[float]) -> None:
+    t0 = dt.datetime(2024, 1, 1)
+    with path.open("w") as f:
+        f.write("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+        for t, p, o in zip(ts, prompt, out, strict=True):
+            stamp = (t0 + dt.timedelta(seconds=float(t))).strftime("%Y-%m-%d %H:%M:%S.%f")
+            f.write(f"{stamp}0,{int(p)},{int(o)}\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir", type=Path)
+    out_dir = ap.parse_args().out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(7)
+    n = 21_600
+    ts = np.cumsum(rng.exponential(1 / 6, n))
+    p = np.clip(rng.lognormal(np.log(1500), 0.8, n), 20, 7800)
+    o = np.where(
+        rng.random(n) < 0.05,
+        rng.integers(200, 600, n),
+        np.clip(rng.lognormal(np.log(15), 0.9, n), 1, 200),
+    )
+    _write(out_dir / "code.csv", ts, p, o)
+    n = 3_600
+    ts = np.cumsum(rng.exponential(1.0, n))
+    p = np.clip(rng.lognormal(np.log(300), 0.7, n), 10, 4000)
+    o = np.clip(rng.lognormal(np.log(600), 1.0, n), 5, 4000)
+    _write(out_dir / "reason.csv", ts, p, o)
+    n = 12_000
+    ts = np.cumsum(rng.gamma(1 / 9, 9 / 4.0, n))
+    p = np.clip(rng.lognormal(np.log(800), 0.8, n), 10, 6000)
+    o = np.where(
+        rng.random(n) < 0.5,
+        np.clip(rng.lognormal(np.log(40), 0.5, n), 1, 300),
+        np.clip(rng.lognormal(np.log(800), 0.4, n), 100, 2000),
+    )
+    _write(out_dir / "bursty.csv", ts, p, o)
+    print(f"wrote code.csv, reason.csv, bursty.csv to {out_dir}")
+
+
+if __name__ == "__main__":
+    main()
