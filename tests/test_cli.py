@@ -96,11 +96,12 @@ def test_turn_away_late_first_tokens_flag(tmp_path: Path) -> None:
     burst = ["simulate", "--limit", "40", "--quiet", "--rate-scale", "20", "--policy",
              "calibrated"]
     docs = []
-    for flag in ([], ["--turn-away-late-first-tokens"]):
-        out_json = tmp_path / f"burst{len(flag)}.json"
-        assert main([*burst, *flag, "--json", str(out_json)]) == 0
+    for setting in ("off", "on"):
+        out_json = tmp_path / f"burst-{setting}.json"
+        assert main([*burst, "--turn-away-late-first-tokens", setting,
+                     "--json", str(out_json)]) == 0
         docs.append(json.loads(out_json.read_text()))
     off, on = (d["policies"]["calibrated"] for d in docs)
-    assert [d["scenario"]["turn_away_late_first_tokens"] for d in docs] == [False, True]
+    assert [d["scenario"]["turn_away_late_first_tokens"] for d in docs] == ["off", "on"]
     assert off["rejected"] == 0 < on["rejected"]
     assert on["ttft_p99_s"] < off["ttft_p99_s"]

@@ -657,12 +657,54 @@ def test_caller_turned_away_when_its_first_token_would_come_late_behind_queued_p
     # with nothing queued ahead, the same prompt is admitted
     assert of(s.arrive("d", spec(prompt=1000, max_tokens=10, cls="interactive"), 1.2), ev.Admit)
     assert s.snapshot().totals.rejected == 1
-    # off (the default), the caller is admitted behind the backlog; the backlog is still kept
-    s = Scheduler(Capacity(10_000, 16), classes=(cls,), policy=ReserveMaxPolicy(), cost=cost)
+    # off, the caller is admitted behind the backlog; the backlog is still kept
+    s = Scheduler(Capacity(10_000, 16), classes=(cls,), policy=ReserveMaxPolicy(), cost=cost,
+                  config=SchedulerConfig(turn_away_late_first_tokens=False))
     for rid in ("a", "b"):
         assert of(s.arrive(rid, spec(prompt=1000, max_tokens=10, cls="interactive"), 0.0),
                   ev.Admit)
     assert s.prefill_backlog == 2000
+
+
+def test_late_first_tokens_are_turned_away_by_default_only_once_they_are_common() -> None:
+    """The default (None) engages the turn-away while more than 5 % of the recent first tokens
+    missed their objective: a trace whose first tokens come in time keeps admitting behind a
+    backlog; once late first tokens pile up (the engine's prefill queue is the bottleneck), the
+    same caller is turned away; and as first tokens come in time again, it lets go."""
+    from kvbudget.core.cost import CostModel, StepTimeModel
+
+    cls = ServiceClass("interactive", priority=0, protected=True, preemptible=False,
+                       ttft_slo_s=2.0, max_queue_delay_s=10.0)
+    cost = CostModel(StepTimeModel(fixed_s=0.01, per_seq_s=0.0, per_context_token_s=0.0,
+                                   prefill_per_token_s=1e-3))
+    s = Scheduler(Capacity(100_000, 16), classes=(cls,), policy=ReserveMaxPolicy(), cost=cost)
+    assert s.config.turn_away_late_first_tokens is None
+
+    def first_tokens(n: int, late: bool, t: float) -> None:
+        for i in range(n):
+            rid, at = f"{'late' if late else 'ok'}{t}-{i}", t + 4.0 * i
+            prompt = 3000 if late else 10  # late behind a long prefill: the fit learns its slope
+            s.arrive(rid, spec(prompt=prompt, max_tokens=10, cls="interactive"), at)
+            s.charge(rid, 1, at + (3.0 if late else 0.1))
+            s.finish(rid, "stop", at + 3.0)
+            s.confirm_release(rid, at + 3.0)
+
+    def burst_admits(t: float) -> bool:  # the second of two 1,000-token prompts: 2.01 s
+        out = s.arrive(f"x{t}", spec(prompt=1000, max_tokens=10, cls="interactive"), t)
+        out += s.arrive(f"y{t}", spec(prompt=1000, max_tokens=10, cls="interactive"), t)
+        admitted = bool(of(out, ev.Admit, f"y{t}"))
+        for rid in (f"x{t}", f"y{t}"):
+            if rid in s.requests:
+                s.cancel(rid, t)
+                s.confirm_release(rid, t)
+        return admitted
+
+    first_tokens(20, late=False, t=0.0)
+    assert s.late_first_token_share == 0.0 and burst_admits(100.0)
+    first_tokens(6, late=True, t=200.0)  # 1 - 0.99**6 = 5.9 % of recent first tokens late
+    assert s.late_first_token_share > 0.05 and not burst_admits(300.0)
+    first_tokens(30, late=False, t=400.0)
+    assert s.late_first_token_share < 0.05 and burst_admits(600.0)
 
 
 def test_deadlock_breaker_checkpoints_one_of_the_stuck() -> None:

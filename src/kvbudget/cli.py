@@ -253,9 +253,11 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     g = p.add_argument_group("scheduler (every policy)")
     g.add_argument(
         "--turn-away-late-first-tokens",
-        action="store_true",
+        choices=("auto", "on", "off"),
+        default="auto",
         help="turn away callers whose first token the prefill queued in the engine would make "
-        "late (SchedulerConfig.turn_away_late_first_tokens)",
+        "late: auto (while >5%% of recent first tokens are late), on, off "
+        "(SchedulerConfig.turn_away_late_first_tokens)",
     )
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="write the figures as JSON")
@@ -335,7 +337,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from kvbudget.sim.driver import run_policies
     from kvbudget.sim.scenario import apply_scenario, overlay_summary
 
-    config = SchedulerConfig(turn_away_late_first_tokens=args.turn_away_late_first_tokens)
+    turn_away = {"auto": None, "on": True, "off": False}[args.turn_away_late_first_tokens]
+    config = SchedulerConfig(turn_away_late_first_tokens=turn_away)
     try:
         engine = _engine_from(args)
         workload = _workload_from(args)
@@ -377,7 +380,7 @@ def _simulate(args: argparse.Namespace) -> int:
                 workload=wl_summary,
                 scenario={
                     **scenario.to_dict(),
-                    "turn_away_late_first_tokens": config.turn_away_late_first_tokens,
+                    "turn_away_late_first_tokens": args.turn_away_late_first_tokens,
                 },
                 engine=engine.to_dict(),
                 rate_scale=scenario.rate_scale,

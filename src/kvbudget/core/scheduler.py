@@ -64,6 +64,10 @@ if TYPE_CHECKING:
 
 _NOTHING: tuple[ev.Action, ...] = ()
 _LIVE = (State.ADMITTED, State.RUNNING, State.EXTENDING)
+# turn_away_late_first_tokens=None engages while more than this share of recent first tokens
+# (an exponential average with this weight per first token, ~100 of them) missed the objective
+_LATE_SHARE_ON = 0.05
+_LATE_ALPHA = 0.01
 # module-level aliases: enum attribute look-ups are slow on the per-token path
 _ADMITTED, _RUNNING, _EXTENDING = State.ADMITTED, State.RUNNING, State.EXTENDING
 _RELEASING, _PREEMPTING = State.RELEASING, State.PREEMPTING
@@ -87,10 +91,11 @@ class SchedulerConfig:
     ``turn_away_late_first_tokens``: turn away a caller under a first-token objective whose first
     token the prefill already queued in the engine would make late (at admission, and at
     arrival when its expected wait leaves no time for that prefill), by the cost model's learned
-    time to a first token. Off by default: it refuses callers on a forecast that is only as good
-    as the shell's first-token reports (the first ``charge`` after admission must be the first
-    token, as in ``BudgetedEngine`` and the simulator). It pays off where prefill is what
-    saturates the engine (long prompts, short answers); see docs/benchmarks.md.
+    time to a first token. None (the default): only while more than 5 % of the recent first
+    tokens (an exponential average over ~100) missed their objective, i.e. while the engine's
+    prefill queue is what makes callers late; True: always; False: never. The forecast is only
+    as good as the shell's first-token reports: the first ``charge`` after admission must be the
+    first token, as in ``BudgetedEngine`` and the simulator. See docs/benchmarks.md, change 9.
     """
 
     slack_tokens: int = attrs.field(default=0)
@@ -103,7 +108,7 @@ class SchedulerConfig:
     remember_released: int = attrs.field(default=10_000)
     tenant_weights: Mapping[str, float] = attrs.field(factory=dict)
     prefill_chunk_tokens: int | None = attrs.field(default=2048)
-    turn_away_late_first_tokens: bool = attrs.field(default=False)
+    turn_away_late_first_tokens: bool | None = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
         check_int("slack_tokens", self.slack_tokens, minimum=0, maximum=1 << 20)
@@ -119,9 +124,14 @@ class SchedulerConfig:
             check_float(f"tenant_weights[{tenant!r}]", weight, open_min=True)
         if self.prefill_chunk_tokens is not None:
             check_int("prefill_chunk_tokens", self.prefill_chunk_tokens, minimum=1)
-        if not isinstance(self.turn_away_late_first_tokens, bool):
+        if not (
+            self.turn_away_late_first_tokens is None
+            or isinstance(self.turn_away_late_first_tokens, bool)
+        ):
             raise InvalidInput(
-                "turn_away_late_first_tokens", self.turn_away_late_first_tokens, "True or False"
+                "turn_away_late_first_tokens",
+                self.turn_away_late_first_tokens,
+                "None (automatic), True or False",
             )
 
 
@@ -228,6 +238,8 @@ class Scheduler:
         #: prompt (and recompute) tokens of admitted requests whose first token has not come yet:
         #: the prefill queued in the engine ahead of the next admission
         self.prefill_backlog = 0
+        #: exponential average of how many recent first tokens missed their objective
+        self.late_first_token_share = 0.0
         self._seq = 0
         self.active = 0  # requests holding a live grant (admitted/running/extending)
         self.releasing = 0  # requests stopped, blocks held until the engine confirms
@@ -383,11 +395,17 @@ class Scheduler:
             ttft is not None
             and req.generated == 0
             and req.state is State.QUEUED
-            and self.config.turn_away_late_first_tokens
+            and self._turning_away_late_first_tokens()
         ):
             late = req.arrival + ttft - self._first_token_delay(req) - now
             bound = late if bound is None else min(bound, late)
         return bound
+
+    def _turning_away_late_first_tokens(self) -> bool:
+        setting = self.config.turn_away_late_first_tokens
+        if setting is None:
+            return self.late_first_token_share > _LATE_SHARE_ON
+        return setting
 
     def _first_token_delay(self, req: Request) -> float:
         """Predicted seconds from admitting ``req`` now to its first token."""
@@ -400,7 +418,7 @@ class Scheduler:
         ttft = req.cls.ttft_slo_s
         return (
             ttft is not None
-            and self.config.turn_away_late_first_tokens
+            and self._turning_away_late_first_tokens()
             and req.generated == 0
             and req.state is State.QUEUED
             and self.cost.predict_first_token(req.prompt) <= ttft
@@ -474,6 +492,10 @@ class Scheduler:
                 self.prefill_backlog -= req.prefill_pending
                 req.prefill_pending = 0
                 self.cost.observe_first_token(req.prefill_ahead, max(0.0, now - req.admitted_at))
+            ttft = req.cls.ttft_slo_s
+            if ttft is not None and req.preemptions == 0:
+                late = 1.0 if now - req.arrival > ttft else 0.0
+                self.late_first_token_share += _LATE_ALPHA * (late - self.late_first_token_share)
         elif state is _RELEASING or state is _PREEMPTING:
             req.wasted += tokens
             req.stats.wasted_tokens += tokens
