@@ -390,22 +390,21 @@ class Scheduler:
         turns the caller away there at admission).
         """
         bound = None if req.expiry == math.inf else req.expiry - now
-        ttft = req.cls.ttft_slo_s
-        if (
-            ttft is not None
-            and req.generated == 0
-            and req.state is State.QUEUED
-            and self._turning_away_late_first_tokens()
-        ):
+        ttft = self._first_token_objective(req)
+        if ttft is not None:
             late = req.arrival + ttft - self._first_token_delay(req) - now
             bound = late if bound is None else min(bound, late)
         return bound
 
-    def _turning_away_late_first_tokens(self) -> bool:
+    def _first_token_objective(self, req: Request) -> float | None:
+        """The first-token objective that the late-first-token turn-away judges ``req`` by now
+        (None: it does not apply: no objective, not a fresh queued caller, or not engaged)."""
+        ttft = req.cls.ttft_slo_s
+        if ttft is None or req.generated or req.state is not State.QUEUED:
+            return None
         setting = self.config.turn_away_late_first_tokens
-        if setting is None:
-            return self.late_first_token_share > _LATE_SHARE_ON
-        return setting
+        engaged = self.late_first_token_share > _LATE_SHARE_ON if setting is None else setting
+        return ttft if engaged else None
 
     def _first_token_delay(self, req: Request) -> float:
         """Predicted seconds from admitting ``req`` now to its first token."""
@@ -415,12 +414,9 @@ class Scheduler:
         """Would the prefill queued in the engine make ``req``'s first token late if it were
         admitted now? (Not if its own prefill alone already exceeds its objective: it can never
         be met, and now is as early as that caller can be served.)"""
-        ttft = req.cls.ttft_slo_s
+        ttft = self._first_token_objective(req)
         return (
             ttft is not None
-            and self._turning_away_late_first_tokens()
-            and req.generated == 0
-            and req.state is State.QUEUED
             and self.cost.predict_first_token(req.prompt) <= ttft
             and now + self._first_token_delay(req) > req.arrival + ttft
         )
