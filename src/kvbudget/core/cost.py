@@ -215,10 +215,10 @@ class CostModel:
         (the prior, which leaves out the decode steps that chunked prefill interleaves). Then
         the forgetting-weighted least-squares line through the observations (slope >= 0).
         """
-        x = tokens_ahead / _T
         if self._ft_n < _FT_MIN:
             prior = self.current()
             return prior.fixed_s + prior.prefill_time(tokens_ahead)
+        x = tokens_ahead / _T
         w, sx, sy, sxx, sxy = self._ft
         det = w * sxx - sx * sx
         if det <= 1e-12 * max(1.0, w * sxx):

@@ -485,8 +485,7 @@ class Scheduler:
             req.state = _RUNNING
             req.first_token_at = now
             if req.prefill_pending:
-                self.prefill_backlog -= req.prefill_pending
-                req.prefill_pending = 0
+                self._prefill_done(req)
                 self.cost.observe_first_token(req.prefill_ahead, max(0.0, now - req.admitted_at))
             ttft = req.cls.ttft_slo_s
             if ttft is not None and req.preemptions == 0:
@@ -660,10 +659,14 @@ class Scheduler:
         elif req.state is State.RELEASING and trigger is not Trigger.PREEMPT:
             self.preempting -= 1  # a preempted request stopped for good before its confirmation
 
+    def _prefill_done(self, req: Request) -> None:
+        """``req``'s prefill leaves the engine's queue (its first token came, or it left)."""
+        self.prefill_backlog -= req.prefill_pending
+        req.prefill_pending = 0
+
     def _leave_active(self, req: Request) -> None:
         if req.prefill_pending:
-            self.prefill_backlog -= req.prefill_pending
-            req.prefill_pending = 0
+            self._prefill_done(req)
         self.active -= 1
         del self.live[req.request_id]
         self.active_context -= req.prompt + req.generated
