@@ -107,8 +107,35 @@ def _model_dir() -> pathlib.Path:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+#: Environment variables through which httpx (and so openai) and gRPC route requests via a proxy.
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy")
+PROXIES_SET_OUTSIDE: dict[str, str] = {}  # what the fixture below removed, for failure messages
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def loopback_only() -> Iterator[None]:
+    """No proxy between the clients and the servers on loopback.
+
+    httpx, openai and gRPC honour ``HTTP_PROXY``/``ALL_PROXY``/...; a CI host that sets one for
+    its package downloads would route these loopback requests through it, and a proxy that
+    buffers a response until it ends turns every stream into one late chunk.
+    """
+    PROXIES_SET_OUTSIDE.update(
+        (k, v) for k, v in os.environ.items() if k.lower() in PROXY_VARIABLES
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        for name in PROXY_VARIABLES:
+            mp.delenv(name, raising=False)
+            mp.delenv(name.upper(), raising=False)
+        mp.setenv("NO_PROXY", "127.0.0.1,localhost")
+        mp.setenv("no_proxy", "127.0.0.1,localhost")
+        yield
+
+
+@pytest.fixture(scope="module")
+def servers(
+    tmp_path_factory: pytest.TempPathFactory, loopback_only: None
+) -> Iterator[dict[str, Any]]:
     model = _model_dir()
     logs = tmp_path_factory.mktemp("example-logs")
     http_port, grpc_port = _free_port(), _free_port()
@@ -303,6 +330,7 @@ def test_client_that_disconnects_returns_its_kv(http_url: str, servers: dict[str
         return
     pytest.fail(
         f"no stream was left half-way in {ATTEMPTS} attempts:\n" + "\n".join(tried)
+        + f"\n-- proxy variables removed: {PROXIES_SET_OUTSIDE or 'none'}"
         + "\n-- server log --\n" + servers["http"].tail()
     )
 
