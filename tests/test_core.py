@@ -177,6 +177,8 @@ def test_capacity_sizes(field: str, value: object) -> None:
         ("confirm_timeout_s", math.nan),
         ("confirm_timeout_s", 0.0),
         ("release_rate_window_s", math.inf),
+        ("arrival_rate_window_s", 0.0),
+        ("arrival_rate_window_s", math.nan),
         ("prefill_chunk_tokens", 0),
         ("prefill_chunk_tokens", 2.5),
         ("turn_away_late_first_tokens", 1),
@@ -705,6 +707,65 @@ def test_late_first_tokens_are_turned_away_by_default_only_once_they_are_common(
     assert s.late_first_token_share > 0.05 and not burst_admits(300.0)
     first_tokens(30, late=False, t=400.0)
     assert s.late_first_token_share < 0.05 and burst_admits(600.0)
+
+
+def test_batch_waits_while_the_prefill_queue_would_crowd_interactive_first_tokens() -> None:
+    """Calibrated's ``batch_prefill_share``: the engine prefills first come first served, so a
+    batch head waits in kvbudget's queue (which serves interactive callers first) while the
+    prefill queued in the engine, its own and what interactive callers are expected to bring
+    within their 2 s objective would take more than half of it; it is admitted as the queue
+    drains, and at once when nothing is queued for prefill. Off (None), it is admitted at once."""
+    from kvbudget.core.cost import CostModel, StepTimeModel
+
+    def scheduler(**kw: Any) -> Scheduler:
+        cost = CostModel(StepTimeModel(fixed_s=0.01, per_seq_s=0.0, per_context_token_s=0.0,
+                                       prefill_per_token_s=1e-3))  # 1,000 tokens: 1 s
+        return Scheduler(Capacity(10_000, 16), policy=CalibratedPolicy(**kw), cost=cost)
+
+    s = scheduler()
+    assert s.first_token_prefill_rate() == 0.0
+    assert of(s.arrive("i0", spec(prompt=850, max_tokens=10, cls="interactive"), 0.0), ev.Admit)
+    assert s.first_token_prefill_rate() == pytest.approx(85.0)  # 850 tokens over a 10 s window
+    # 850 queued + its own 150 + 85 tok/s x 2 s coming = 1,170 tokens: 1.18 s > 1 s
+    assert not of(s.arrive("b", spec(prompt=150, max_tokens=10, cls="batch"), 0.0), ev.Admit)
+    assert s.requests["b"].state is State.QUEUED
+    assert s.first_token_prefill_rate() == pytest.approx(85.0)  # batch prompts do not count
+    # an interactive caller is still served first
+    assert of(s.arrive("i1", spec(prompt=50, max_tokens=10, cls="interactive"), 0.0), ev.Admit)
+    assert not of(s.tick(0.5), ev.Admit)
+    s.charge("i0", 1, 0.6)  # its prefill left the queue: 50 + 150 + ~170 coming: 0.38 s
+    assert of(s.tick(0.6), ev.Admit, "b")
+    # nothing queued for prefill: a batch head is admitted whatever the interactive rate
+    s.charge("i1", 1, 0.7)
+    s.charge("b", 1, 0.7)
+    for k in range(20):
+        s.arrive(f"r{k}", spec(prompt=1000, max_tokens=10, cls="interactive"), 0.8)
+        s.cancel(f"r{k}", 0.8)
+    assert s.prefill_backlog == 0 and s.first_token_prefill_rate() > 1000.0
+    assert of(s.arrive("b2", spec(prompt=150, max_tokens=10, cls="batch"), 0.8), ev.Admit)
+    # off: the batch head is admitted behind the queued prefill
+    s = scheduler(batch_prefill_share=None)
+    s.arrive("i0", spec(prompt=850, max_tokens=10, cls="interactive"), 0.0)
+    assert of(s.arrive("b", spec(prompt=150, max_tokens=10, cls="batch"), 0.0), ev.Admit)
+    # a larger share lets it join the same queue
+    s = scheduler(batch_prefill_share=0.6)
+    s.arrive("i0", spec(prompt=850, max_tokens=10, cls="interactive"), 0.0)
+    assert of(s.arrive("b", spec(prompt=150, max_tokens=10, cls="batch"), 0.0), ev.Admit)
+    for bad in (0.0, -0.5, math.nan, math.inf, "half"):
+        with pytest.raises(InvalidInput) as info:
+            CalibratedPolicy(batch_prefill_share=bad)  # type: ignore[arg-type]
+        assert info.value.field == "batch_prefill_share"
+
+
+def test_first_token_prefill_rate_decays_over_its_window() -> None:
+    s = Scheduler(Capacity(10_000, 16), config=SchedulerConfig(arrival_rate_window_s=5.0))
+    s.arrive("a", spec(prompt=500, max_tokens=10, cls="interactive"), 0.0)
+    s.arrive("b", spec(prompt=500, max_tokens=10, cls="interactive"), 0.0)
+    assert s.first_token_prefill_rate() == pytest.approx(200.0)
+    s.tick(5.0)
+    assert s.first_token_prefill_rate() == pytest.approx(200.0 * math.exp(-1.0))
+    s.arrive("c", spec(prompt=100, max_tokens=10, cls="interactive"), 5.0)
+    assert s.first_token_prefill_rate() == pytest.approx(200.0 * math.exp(-1.0) + 20.0)
 
 
 def test_deadlock_breaker_checkpoints_one_of_the_stuck() -> None:

@@ -160,7 +160,17 @@ class CalibratedPolicy(BasePolicy):
       forecast is real demand and the headroom is kept for it;
     * a protected request stopped at its boundary preempts preemptible work of lower priority
       (lowest recompute cost first, most deadline slack first); others wait or, when they allow
-      it, end with a continuation.
+      it, end with a continuation;
+    * a head of a class with no first-token objective, below a class with one (batch under
+      interactive), waits while the engine's prefill queue is busy and the prefill it would
+      join is predicted to take more than ``batch_prefill_share`` of that objective: the
+      prefill already queued, its own, and the prefill the callers under the objective are
+      expected to bring within one objective at their recent rate
+      (:meth:`~kvbudget.core.scheduler.Scheduler.first_token_prefill_rate`). The engine
+      prefills first come first served, so a batch prompt admitted ahead of them delays their
+      first tokens; waiting in kvbudget's queue, which serves them first, it does not. With
+      nothing queued for prefill it is admitted (None: batch never waits for the prefill
+      queue).
     """
 
     name: ClassVar[str] = "calibrated"
@@ -176,6 +186,7 @@ class CalibratedPolicy(BasePolicy):
         demand_safety: float = 1.0,
         lookahead_blocks: int = 1,
         grant_step_tokens: int | None = 128,
+        batch_prefill_share: float | None = 0.5,
     ) -> None:
         self.headroom_min = check_float("headroom_min", headroom_min, maximum=1.0)
         self.headroom_max = check_float(
@@ -191,9 +202,32 @@ class CalibratedPolicy(BasePolicy):
             if grant_step_tokens is None
             else check_int("grant_step_tokens", grant_step_tokens, minimum=1)
         )
+        self.batch_prefill_share = (
+            None
+            if batch_prefill_share is None
+            else check_float("batch_prefill_share", batch_prefill_share, open_min=True)
+        )
         self._demand = 0.0
         self._demand_of: dict[str, float] = {}
         self._outrun: set[str] = set()
+        #: class name -> the tightest first-token objective of the classes served before it,
+        #: for classes with no objective of their own (batch_prefill_share applies to them)
+        self._objective_above: dict[str, float] = {}
+
+    def bind(self, scheduler: Scheduler) -> None:
+        super().bind(scheduler)
+        classes = scheduler.classes.values()
+        self._objective_above = {}
+        for cls in classes:
+            if cls.ttft_slo_s is not None:
+                continue
+            above = [
+                c.ttft_slo_s
+                for c in classes
+                if c.ttft_slo_s is not None and c.priority < cls.priority
+            ]
+            if above:
+                self._objective_above[cls.name] = min(above)
 
     def headroom_target(self) -> int:
         cap = self._s.capacity.blocks
@@ -227,9 +261,22 @@ class CalibratedPolicy(BasePolicy):
         # headroom (the scheduler's rule) only while the forecast behind it holds: once a
         # protected stream has outlived everything its distribution has seen, as a wave of
         # long answers does, its extensions are real demand, and the headroom is kept for them.
-        return not (
-            self._outrun and req.cls.protected and not self._s.ledger.fits_admission(blocks)
-        )
+        if self._outrun and req.cls.protected and not self._s.ledger.fits_admission(blocks):
+            return False
+        share = self.batch_prefill_share
+        if share is not None and self._s.prefill_backlog:
+            objective = self._objective_above.get(req.cls.name)
+            if objective is not None and self._prefill_crowds(req, objective, share):
+                return False
+        return True
+
+    def _prefill_crowds(self, req: Request, objective: float, share: float) -> bool:
+        """Would admitting ``req`` now leave the callers under ``objective`` less than the rest
+        of it for their first tokens? (Class docstring: ``batch_prefill_share``.)"""
+        s = self._s
+        coming = s.first_token_prefill_rate() * objective
+        ahead = s.prefill_backlog + req.prompt + req.generated + int(coming)
+        return s.cost.predict_first_token(ahead) > share * objective
 
     def extension_tokens(self, req: Request) -> int | None:
         if req.boundary >= req.hard_max:

@@ -96,6 +96,9 @@ class SchedulerConfig:
     prefill queue is what makes callers late; True: always; False: never. The forecast is only
     as good as the shell's first-token reports: the first ``charge`` after admission must be the
     first token, as in ``BudgetedEngine`` and the simulator. See docs/benchmarks.md, change 9.
+    ``arrival_rate_window_s``: time constant of the estimate of the prompt tokens per second
+    that callers under a first-token objective bring (:meth:`Scheduler.first_token_prefill_rate`),
+    which a policy may keep room for in the engine's prefill queue.
     """
 
     slack_tokens: int = attrs.field(default=0)
@@ -109,6 +112,7 @@ class SchedulerConfig:
     tenant_weights: Mapping[str, float] = attrs.field(factory=dict)
     prefill_chunk_tokens: int | None = attrs.field(default=2048)
     turn_away_late_first_tokens: bool | None = attrs.field(default=None)
+    arrival_rate_window_s: float = attrs.field(default=10.0)
 
     def __attrs_post_init__(self) -> None:
         check_int("slack_tokens", self.slack_tokens, minimum=0, maximum=1 << 20)
@@ -117,6 +121,7 @@ class SchedulerConfig:
         check_int("max_queued", self.max_queued, minimum=0)
         check_float("confirm_timeout_s", self.confirm_timeout_s, open_min=True)
         check_float("release_rate_window_s", self.release_rate_window_s, open_min=True)
+        check_float("arrival_rate_window_s", self.arrival_rate_window_s, open_min=True)
         check_float("min_retry_after_s", self.min_retry_after_s)
         check_float("max_retry_after_s", self.max_retry_after_s, minimum=self.min_retry_after_s)
         check_int("remember_released", self.remember_released, minimum=0)
@@ -238,6 +243,10 @@ class Scheduler:
         #: prompt (and recompute) tokens of admitted requests whose first token has not come yet:
         #: the prefill queued in the engine ahead of the next admission
         self.prefill_backlog = 0
+        # prompt tokens of callers under a first-token objective, exponentially decayed from
+        # when the last one arrived (first_token_prefill_rate)
+        self._ft_prompt_sum = 0.0
+        self._ft_prompt_at: float | None = None
         #: exponential average of how many recent first tokens missed their objective
         self.late_first_token_share = 0.0
         self._seq = 0
@@ -319,6 +328,8 @@ class Scheduler:
             raise DuplicateRequest(request_id)
         cls = lookup_class(self.classes, spec.service_class)
         now = self._time(now)
+        if cls.ttft_slo_s is not None:
+            self._note_first_token_prompt(spec.prompt_tokens, now)
         stats = self._stats(cls.name, spec.tenant)
         req = Request(request_id, spec, cls, now, stats)
         req.want_blocks = self._want_blocks(req)  # may raise PolicyViolation: count after it
@@ -420,6 +431,24 @@ class Scheduler:
             and self.cost.predict_first_token(req.prompt) <= ttft
             and now + self._first_token_delay(req) > req.arrival + ttft
         )
+
+    def _note_first_token_prompt(self, tokens: int, now: float) -> None:
+        at = self._ft_prompt_at
+        if at is not None:
+            self._ft_prompt_sum *= math.exp(-(now - at) / self.config.arrival_rate_window_s)
+        self._ft_prompt_sum += tokens
+        self._ft_prompt_at = now
+
+    def first_token_prefill_rate(self) -> float:
+        """Prompt tokens per second that callers under a first-token objective brought recently
+        (every arrival counts, admitted or not; an exponential average over
+        ``arrival_rate_window_s``): the prefill such callers are expected to queue in the
+        engine. 0 before the first such caller."""
+        at = self._ft_prompt_at
+        if at is None:
+            return 0.0
+        tau = self.config.arrival_rate_window_s
+        return self._ft_prompt_sum * math.exp(-(self.now - at) / tau) / tau
 
     def _release_rate(self, now: float) -> float:
         """Blocks per second returned recently (0 when nothing was released yet)."""
