@@ -287,17 +287,19 @@ def test_client_that_disconnects_returns_its_kv(http_url: str, servers: dict[str
     for _attempt in range(ATTEMPTS):
         idle = _wait_idle(http_url)
 
-        async def main(idle_blocks: int) -> tuple[int, float]:
+        async def main(idle_blocks: int) -> tuple[int, float, int]:
             body = {"model": servers["model"], "prompt": "a long story",
                     "max_tokens": CANCEL_LEN, "ignore_eos": True, "stream": True}
             most_held = idle_blocks
+            polls_before_chunk = 0
             leaving = False
 
             async def watch(http: httpx.AsyncClient) -> None:
-                nonlocal most_held
+                nonlocal most_held, polls_before_chunk
                 while True:  # until the stream is over and its blocks came back
                     snap = (await http.get(f"{http_url}/kvbudget/snapshot")).json()
                     most_held = max(most_held, snap["reserved_blocks"])
+                    polls_before_chunk += not leaving
                     if leaving and snap["reserved_blocks"] == idle_blocks:
                         return
                     await asyncio.sleep(0.002)
@@ -315,13 +317,16 @@ def test_client_that_disconnects_returns_its_kv(http_url: str, servers: dict[str
                 first_chunk_s = time.monotonic() - started
                 leaving = True
                 await asyncio.wait_for(watcher, 30)
-            return most_held, first_chunk_s
+            return most_held, first_chunk_s, polls_before_chunk
 
-        most_held, first_chunk_s = asyncio.run(main(idle["reserved_blocks"]))
+        most_held, first_chunk_s, polls = asyncio.run(main(idle["reserved_blocks"]))
         snap = _wait_idle(http_url)  # blocks back once the engine confirmed the abort
         delta = {k: snap["totals"][k] - idle["totals"][k]
                  for k in ("completed", "cancelled", "tokens")}
-        tried.append(f"first chunk after {first_chunk_s:.3f}s, most reserved {most_held}, {delta}")
+        tried.append(
+            f"first chunk after {first_chunk_s:.3f}s ({polls} snapshots answered before it), "
+            f"most reserved {most_held}, {delta}"
+        )
         if delta["completed"] or most_held == idle["reserved_blocks"]:
             continue  # it ended before the client left, or was never seen holding: again
         assert snap["reserved_blocks"] == idle["reserved_blocks"]
