@@ -255,7 +255,13 @@ def test_cumulative_output_and_string_prompt(env: _Env) -> None:
             return outs, ref
 
     outs, ref = env.run(main())
-    assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 21))
+    # cumulative: every output is a prefix of the next and the last is the whole answer (an
+    # output may carry several new tokens when the event loop was busy: vLLM merges them)
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == sorted(set(lengths)) and lengths[0] >= 1 and lengths[-1] == 20
+    assert all(
+        list(o.outputs[0].token_ids) == ref[: len(o.outputs[0].token_ids)] for o in outs
+    )
     assert list(outs[-1].outputs[0].token_ids) == ref
     assert outs[-1].prompt == "hello world" and outs[-1].finished
 
