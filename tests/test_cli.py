@@ -106,3 +106,23 @@ def test_turn_away_late_first_tokens_flag(tmp_path: Path) -> None:
     assert [d["scenario"]["turn_away_late_first_tokens"] for d in docs] == ["off", "on"]
     assert off["rejected"] == 0 < on["rejected"]
     assert on["ttft_p99_s"] < off["ttft_p99_s"]
+
+
+def test_deadline_service_quantile_flag(tmp_path: Path) -> None:
+    """The flag reaches the scheduler and is recorded in the JSON: under overload with a short
+    batch deadline, on turns away the batch callers that could no longer finish in time, where
+    off admits them to run late."""
+    args = ["simulate", "--limit", "300", "--quiet", "--rate-scale", "3", "--policy",
+            "past-future", "--batch-deadline", "20"]
+    docs = {}
+    for setting in ("off", "0.5"):
+        out_json = tmp_path / f"dl-{setting}.json"
+        assert main([*args, "--deadline-service-quantile", setting, "--json", str(out_json)]) == 0
+        docs[setting] = json.loads(out_json.read_text())
+    assert docs["off"]["scenario"]["deadline_service_quantile"] is None
+    assert docs["0.5"]["scenario"]["deadline_service_quantile"] == 0.5
+    off, on = (docs[k]["policies"]["past-future"] for k in ("off", "0.5"))
+    assert on["rejected"] > off["rejected"] and on["decoded_tokens"] < off["decoded_tokens"]
+    for bad in ("0", "1", "nan", "x"):
+        with pytest.raises(SystemExit):
+            main(["simulate", "--deadline-service-quantile", bad])

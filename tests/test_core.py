@@ -178,6 +178,9 @@ def test_capacity_sizes(field: str, value: object) -> None:
         ("confirm_timeout_s", 0.0),
         ("release_rate_window_s", math.inf),
         ("arrival_rate_window_s", 0.0),
+        ("deadline_service_quantile", 0.0),
+        ("deadline_service_quantile", 1.0),
+        ("deadline_service_quantile", math.nan),
         ("arrival_rate_window_s", math.nan),
         ("prefill_chunk_tokens", 0),
         ("prefill_chunk_tokens", 2.5),
@@ -628,6 +631,46 @@ def test_queued_caller_turned_away_once_a_first_token_in_time_is_impossible() ->
     s.confirm_release("hog", 1.0)
     out = s.arrive("now", spec(prompt=2100, max_tokens=100, cls="interactive"), 1.0)
     assert of(out, ev.Admit, "now")
+
+
+def test_queued_request_turned_away_once_it_could_no_longer_finish_by_its_deadline() -> None:
+    """``deadline_service_quantile``: a queued request with a deadline is turned away at the
+    deadline less its predicted service (prefill, then its median length of steps), not at the
+    deadline itself: admitted later it would finish late, and its KV and engine time would be
+    lost to others; a newcomer that could not be admitted by then is told at once."""
+    from kvbudget.core.cost import CostModel, StepTimeModel
+
+    def scheduler(q: float | None) -> Scheduler:
+        cost = CostModel(StepTimeModel(fixed_s=0.01, per_seq_s=0.0, per_context_token_s=0.0,
+                                       prefill_per_token_s=1e-3))
+        s = Scheduler(Capacity(64, 16), policy=ReserveMaxPolicy(), cost=cost,
+                      config=SchedulerConfig(deadline_service_quantile=q))
+        s.arrive("hog", spec(prompt=100, max_tokens=900), 0.0)  # 63 of 64 blocks
+        s.charge("hog", 1, 0.0)
+        s.arrive("w", spec(prompt=100, max_tokens=500, deadline=20.0), 0.0)
+        assert s.requests["w"].state is State.QUEUED
+        return s
+
+    s = scheduler(0.5)
+    w = s.requests["w"]
+    tokens = min(500, s.lengths.quantile(w.key, 0.5))
+    service = 0.1 + tokens * 0.01  # its prefill, then one 10 ms step per token
+    assert w.expiry == pytest.approx(20.0 - service)
+    assert 0.0 < w.expiry < 20.0
+    assert not of(s.tick(w.expiry - 0.01), ev.Reject)
+    rej = of(s.tick(w.expiry + 0.01), ev.Reject, "w")
+    assert rej and rej[0].reason == "queue-timeout" and "w" not in s.requests
+    # a newcomer whose deadline is shorter than its own service: told at once
+    out = s.arrive("short", spec(prompt=100, max_tokens=500, deadline=service / 2), 1.0)
+    late = of(out, ev.Reject, "short")
+    assert late and late[0].reason == "deadline" and "short" not in s.requests
+    # off: turned away at the deadline itself, and the newcomer waits
+    s = scheduler(None)
+    assert s.requests["w"].expiry == 20.0
+    assert not of(s.tick(19.9), ev.Reject)
+    assert of(s.tick(20.1), ev.Reject, "w")
+    assert not of(s.arrive("short", spec(prompt=100, max_tokens=500, deadline=service / 2),
+                           20.1), ev.Reject)
 
 
 def test_caller_turned_away_when_its_first_token_would_come_late_behind_queued_prefill() -> None:

@@ -114,6 +114,16 @@ def _share(text: str) -> float:
     return v
 
 
+def _service_quantile(text: str) -> float | None:
+    """``off`` or a quantile strictly between 0 and 1."""
+    if text == "off":
+        return None
+    v = _positive_float(text)
+    if v >= 1:
+        raise argparse.ArgumentTypeError(f"expected a quantile in (0, 1) or 'off', got {text!r}")
+    return v
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -259,6 +269,15 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "late: auto (while >5%% of recent first tokens are late), on, off "
         "(SchedulerConfig.turn_away_late_first_tokens)",
     )
+    g.add_argument(
+        "--deadline-service-quantile",
+        type=_service_quantile,
+        default=0.5,
+        metavar="Q|off",
+        help="turn away a queued request with a deadline once its prefill and its Q-quantile "
+        "output length could no longer finish by it; off: at the deadline itself "
+        "(SchedulerConfig.deadline_service_quantile, default: %(default)s)",
+    )
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     g.add_argument("--plot", metavar="PATH", help="write a PNG chart")
@@ -338,7 +357,10 @@ def _simulate(args: argparse.Namespace) -> int:
     from kvbudget.sim.scenario import apply_scenario, overlay_summary
 
     turn_away = {"auto": None, "on": True, "off": False}[args.turn_away_late_first_tokens]
-    config = SchedulerConfig(turn_away_late_first_tokens=turn_away)
+    config = SchedulerConfig(
+        turn_away_late_first_tokens=turn_away,
+        deadline_service_quantile=args.deadline_service_quantile,
+    )
     try:
         engine = _engine_from(args)
         workload = _workload_from(args)
@@ -381,6 +403,7 @@ def _simulate(args: argparse.Namespace) -> int:
                 scenario={
                     **scenario.to_dict(),
                     "turn_away_late_first_tokens": args.turn_away_late_first_tokens,
+                    "deadline_service_quantile": args.deadline_service_quantile,
                 },
                 engine=engine.to_dict(),
                 rate_scale=scenario.rate_scale,

@@ -96,6 +96,10 @@ class SchedulerConfig:
     prefill queue is what makes callers late; True: always; False: never. The forecast is only
     as good as the shell's first-token reports: the first ``charge`` after admission must be the
     first token, as in ``BudgetedEngine`` and the simulator. See docs/benchmarks.md, change 9.
+    ``deadline_service_quantile``: a queued request with a deadline is turned away once admitting
+    it could no longer finish it by the deadline: the deadline less its predicted prefill and
+    decode, at this quantile of its output-length distribution and the current step time
+    (None: it is turned away at the deadline itself). See docs/benchmarks.md, change 11.
     ``arrival_rate_window_s``: time constant of the estimate of the prompt tokens per second
     that callers under a first-token objective bring (:meth:`Scheduler.first_token_prefill_rate`),
     which a policy may keep room for in the engine's prefill queue.
@@ -113,6 +117,7 @@ class SchedulerConfig:
     prefill_chunk_tokens: int | None = attrs.field(default=2048)
     turn_away_late_first_tokens: bool | None = attrs.field(default=None)
     arrival_rate_window_s: float = attrs.field(default=10.0)
+    deadline_service_quantile: float | None = attrs.field(default=0.5)
 
     def __attrs_post_init__(self) -> None:
         check_int("slack_tokens", self.slack_tokens, minimum=0, maximum=1 << 20)
@@ -122,6 +127,14 @@ class SchedulerConfig:
         check_float("confirm_timeout_s", self.confirm_timeout_s, open_min=True)
         check_float("release_rate_window_s", self.release_rate_window_s, open_min=True)
         check_float("arrival_rate_window_s", self.arrival_rate_window_s, open_min=True)
+        if self.deadline_service_quantile is not None:
+            check_float(
+                "deadline_service_quantile",
+                self.deadline_service_quantile,
+                open_min=True,
+                maximum=1.0,
+                open_max=True,
+            )
         check_float("min_retry_after_s", self.min_retry_after_s)
         check_float("max_retry_after_s", self.max_retry_after_s, minimum=self.min_retry_after_s)
         check_int("remember_released", self.remember_released, minimum=0)
@@ -356,12 +369,17 @@ class Scheduler:
         """When a queued request is turned away (a checkpoint: only its deadline bounds it).
 
         A caller with a time-to-first-token objective is turned away once admitting it could no
-        longer give it a first token in time (the objective less its predicted prefill): admitted
-        later it would miss the objective anyway, and the KV it took would be lost to others.
+        longer give it a first token in time (the objective less its predicted prefill); one with
+        a deadline once admitting it could no longer finish it in time (the deadline less its
+        predicted service, ``deadline_service_quantile``): admitted later it would miss anyway,
+        and the KV and engine time it took would be lost to others.
         """
         expiry = req.deadline_at if req.deadline_at is not None else math.inf
         if req.state is State.CHECKPOINTED:
             return expiry
+        q = self.config.deadline_service_quantile
+        if req.deadline_at is not None and q is not None:
+            expiry -= self._predicted_service(req, q)
         cls = req.cls
         if cls.max_queue_delay_s is not None:
             expiry = min(expiry, req.arrival + cls.max_queue_delay_s)
@@ -369,6 +387,19 @@ class Scheduler:
             last = req.arrival + cls.ttft_slo_s - self.cost.predict_prefill(req.prompt)
             expiry = min(expiry, last)
         return expiry
+
+    def _predicted_service(self, req: Request, q: float) -> float:
+        """Seconds from admission to the last token of ``req`` if its output runs to the
+        ``q``-quantile of its length distribution: its prefill, then that many steps at the
+        current step time (one more sequence and its context in the batch)."""
+        if req.generated:
+            target = self.lengths.conditional_quantile(req.key, q, req.generated)
+        else:
+            target = self.lengths.quantile(req.key, q)
+        tokens = max(1, min(req.remaining, target - req.generated))
+        context = req.prompt + req.generated
+        step = self.cost.predict_decode(self.active + 1, self.active_context + context)
+        return self.cost.predict_prefill(context) + tokens * step
 
     def _note_queued(self, req: Request) -> None:
         """``req`` joined its queue with ``req.expiry`` set: keep its class's expiry floor."""
