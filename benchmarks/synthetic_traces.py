@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -57,7 +58,15 @@ def main() -> None:
         np.clip(rng.lognormal(np.log(800), 0.4, n), 100, 2000),
     )
     _write(out_dir / "bursty.csv", ts, p, o)
-    print(f"wrote code.csv, reason.csv, bursty.csv to {out_dir}")
+    n = 4_300
+    ts = np.cumsum(rng.exponential(1 / 1.2, n))
+    p = np.clip(rng.lognormal(np.log(8000), 0.7, n), 500, 30_000)
+    o = np.clip(rng.lognormal(np.log(250), 0.8, n), 1, 2000)
+    with (out_dir / "longctx.jsonl").open("w") as f:
+        for t, pi, oi in zip(ts, p, o, strict=True):
+            f.write(json.dumps({"timestamp": int(t * 1000), "input_length": int(pi),
+                                "output_length": int(oi)}) + "\n")
+    print(f"wrote code.csv, reason.csv, bursty.csv, longctx.jsonl to {out_dir}")
 
 
 if __name__ == "__main__":
