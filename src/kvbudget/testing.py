@@ -267,6 +267,8 @@ def fingerprint(s: Scheduler) -> tuple[Any, ...]:
         reqs,
         snap.totals,
         tuple(sorted(s._waiting_ext)),
+        s.prefill_backlog,
+        s.first_token_prefill_rate(),
     )
 
 

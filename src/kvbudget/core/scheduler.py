@@ -341,12 +341,12 @@ class Scheduler:
             raise DuplicateRequest(request_id)
         cls = lookup_class(self.classes, spec.service_class)
         now = self._time(now)
-        if cls.ttft_slo_s is not None:
-            self._note_first_token_prompt(spec.prompt_tokens, now)
         stats = self._stats(cls.name, spec.tenant)
         req = Request(request_id, spec, cls, now, stats)
         req.want_blocks = self._want_blocks(req)  # may raise PolicyViolation: count after it
         stats.arrived += 1
+        if cls.ttft_slo_s is not None:
+            self._note_first_token_prompt(spec.prompt_tokens, now)
         if req.want_blocks > self.capacity.blocks - self.ledger.protected_blocks * (
             not cls.protected
         ):
