@@ -771,7 +771,10 @@ def test_batch_waits_while_the_prefill_queue_would_crowd_interactive_first_token
     assert s.first_token_prefill_rate() == pytest.approx(85.0)  # 850 tokens over a 10 s window
     # 850 queued + its own 150 + 85 tok/s x 2 s coming = 1,170 tokens: 1.18 s > 1 s
     assert not of(s.arrive("b", spec(prompt=150, max_tokens=10, cls="batch"), 0.0), ev.Admit)
-    assert s.requests["b"].state is State.QUEUED
+    b = s.requests["b"]
+    assert b.state is State.QUEUED
+    # held with room in the cache: its deadline still counts its predicted service
+    assert b.deadline_at is not None and b.expiry < b.deadline_at
     assert s.first_token_prefill_rate() == pytest.approx(85.0)  # batch prompts do not count
     # an interactive caller is still served first
     assert of(s.arrive("i1", spec(prompt=50, max_tokens=10, cls="interactive"), 0.0), ev.Admit)

@@ -356,29 +356,36 @@ class Scheduler:
         if queue.count >= self.config.max_queued and (queue.count or wait > 0.0):
             # a full queue turns away callers that would wait, not one admitted at once
             return [self._reject_new(req, self._retry_after(req, queue), "queue-full")]
-        req.expiry = self._queue_expiry(req)
+        # the service forecast of a deadline only matters to a caller that waits: one admitted
+        # at once skips it (it is most of an arrival's cost), one that stays queued gets it below
+        req.expiry = self._queue_expiry(req, service=wait > 0.0)
         bound = self._wait_bound(req, now)
         if wait > 0.0 and bound is not None and wait > bound:
             return [self._reject_new(req, wait, "deadline")]
         self.requests[request_id] = req
         queue.push(req, self._weight(spec.tenant))
         self._note_queued(req)
-        return self._pump(now)
+        actions = self._pump(now)
+        if wait <= 0.0 and req.state is State.QUEUED and req.deadline_at is not None:
+            req.expiry = self._queue_expiry(req)
+            self._note_queued(req)
+        return actions
 
-    def _queue_expiry(self, req: Request) -> float:
+    def _queue_expiry(self, req: Request, service: bool = True) -> float:
         """When a queued request is turned away (a checkpoint: only its deadline bounds it).
 
         A caller with a time-to-first-token objective is turned away once admitting it could no
         longer give it a first token in time (the objective less its predicted prefill); one with
         a deadline once admitting it could no longer finish it in time (the deadline less its
         predicted service, ``deadline_service_quantile``): admitted later it would miss anyway,
-        and the KV and engine time it took would be lost to others.
+        and the KV and engine time it took would be lost to others. (``service=False``: without
+        that forecast, for a caller about to be admitted at once.)
         """
         expiry = req.deadline_at if req.deadline_at is not None else math.inf
         if req.state is State.CHECKPOINTED:
             return expiry
         q = self.config.deadline_service_quantile
-        if req.deadline_at is not None and q is not None:
+        if service and req.deadline_at is not None and q is not None:
             expiry -= self._predicted_service(req, q)
         cls = req.cls
         if cls.max_queue_delay_s is not None:
