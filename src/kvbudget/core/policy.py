@@ -274,9 +274,8 @@ class CalibratedPolicy(BasePolicy):
         """Would admitting ``req`` now leave the callers under ``objective`` less than the rest
         of it for their first tokens? (Class docstring: ``batch_prefill_share``.)"""
         s = self._s
-        coming = s.first_token_prefill_rate() * objective
-        ahead = s.prefill_backlog + req.prompt + req.generated + int(coming)
-        return s.cost.predict_first_token(ahead) > share * objective
+        coming = int(s.first_token_prefill_rate() * objective)
+        return s.first_token_delay(req, coming) > share * objective
 
     def extension_tokens(self, req: Request) -> int | None:
         if req.boundary >= req.hard_max:

@@ -73,6 +73,40 @@ _ADMITTED, _RUNNING, _EXTENDING = State.ADMITTED, State.RUNNING, State.EXTENDING
 _RELEASING, _PREEMPTING = State.RELEASING, State.PREEMPTING
 
 
+class _DecayingRate:
+    """Amounts added over time, exponentially forgotten over ``window_s``, read as a rate.
+
+    ``warm_up``: until one window has passed since the first amount, divide by the time since
+    then rather than by the window (a rate from the first few events is not diluted).
+    """
+
+    __slots__ = ("_at", "_first_at", "_sum", "warm_up", "window_s")
+
+    def __init__(self, window_s: float, warm_up: bool) -> None:
+        self.window_s = window_s
+        self.warm_up = warm_up
+        self._sum = 0.0
+        self._at: float | None = None
+        self._first_at: float | None = None
+
+    def add(self, amount: float, now: float) -> None:
+        if self._first_at is None:
+            self._first_at = now
+        if self._at is not None:
+            self._sum *= math.exp(-(now - self._at) / self.window_s)
+        self._sum += amount
+        self._at = now
+
+    def rate(self, now: float) -> float:
+        """Amount per second recently (0 before the first amount)."""
+        at, first = self._at, self._first_at
+        if at is None or first is None:
+            return 0.0
+        tau = self.window_s
+        span = min(tau, max(now - first, 1e-3)) if self.warm_up else tau
+        return self._sum * math.exp(-(now - at) / tau) / span
+
+
 @attrs.frozen(slots=True)
 class SchedulerConfig:
     """Knobs of the mechanism (the policy holds the knobs of the decisions).
@@ -256,10 +290,8 @@ class Scheduler:
         #: prompt (and recompute) tokens of admitted requests whose first token has not come yet:
         #: the prefill queued in the engine ahead of the next admission
         self.prefill_backlog = 0
-        # prompt tokens of callers under a first-token objective, exponentially decayed from
-        # when the last one arrived (first_token_prefill_rate)
-        self._ft_prompt_sum = 0.0
-        self._ft_prompt_at: float | None = None
+        # prompt tokens of callers under a first-token objective (first_token_prefill_rate)
+        self._ft_prompts = _DecayingRate(self.config.arrival_rate_window_s, warm_up=False)
         #: exponential average of how many recent first tokens missed their objective
         self.late_first_token_share = 0.0
         self._seq = 0
@@ -269,9 +301,7 @@ class Scheduler:
         self.drift = 0  # last reconciliation: engine-reported minus ledger-expected blocks
         self.active_context = 0  # prompt + generated over live requests, for the cost model
         self._active_by_floor: dict[float, int] = {}
-        self._rate_sum = 0.0
-        self._rate_at: float | None = None
-        self._first_release_at: float | None = None
+        self._releases = _DecayingRate(self.config.release_rate_window_s, warm_up=True)
         self.now = 0.0
         self.counters: dict[tuple[str, str], Counters] = {}
         self.policy.bind(self)
@@ -346,7 +376,7 @@ class Scheduler:
         req.want_blocks = self._want_blocks(req)  # may raise PolicyViolation: count after it
         stats.arrived += 1
         if cls.ttft_slo_s is not None:
-            self._note_first_token_prompt(spec.prompt_tokens, now)
+            self._ft_prompts.add(spec.prompt_tokens, now)
         if req.want_blocks > self.capacity.blocks - self.ledger.protected_blocks * (
             not cls.protected
         ):
@@ -441,7 +471,7 @@ class Scheduler:
         bound = None if req.expiry == math.inf else req.expiry - now
         ttft = self._first_token_objective(req)
         if ttft is not None:
-            late = req.arrival + ttft - self._first_token_delay(req) - now
+            late = req.arrival + ttft - self.first_token_delay(req) - now
             bound = late if bound is None else min(bound, late)
         return bound
 
@@ -455,9 +485,12 @@ class Scheduler:
         engaged = self.late_first_token_share > _LATE_SHARE_ON if setting is None else setting
         return ttft if engaged else None
 
-    def _first_token_delay(self, req: Request) -> float:
-        """Predicted seconds from admitting ``req`` now to its first token."""
-        return self.cost.predict_first_token(self.prefill_backlog + req.prompt + req.generated)
+    def first_token_delay(self, req: Request, extra_tokens: int = 0) -> float:
+        """Predicted seconds from admitting ``req`` now to its first token, behind the prefill
+        queued in the engine (and ``extra_tokens`` more of it ahead)."""
+        return self.cost.predict_first_token(
+            self.prefill_backlog + req.prompt + req.generated + extra_tokens
+        )
 
     def _first_token_late(self, req: Request, now: float) -> bool:
         """Would the prefill queued in the engine make ``req``'s first token late if it were
@@ -467,35 +500,19 @@ class Scheduler:
         return (
             ttft is not None
             and self.cost.predict_first_token(req.prompt) <= ttft
-            and now + self._first_token_delay(req) > req.arrival + ttft
+            and now + self.first_token_delay(req) > req.arrival + ttft
         )
-
-    def _note_first_token_prompt(self, tokens: int, now: float) -> None:
-        at = self._ft_prompt_at
-        if at is not None:
-            self._ft_prompt_sum *= math.exp(-(now - at) / self.config.arrival_rate_window_s)
-        self._ft_prompt_sum += tokens
-        self._ft_prompt_at = now
 
     def first_token_prefill_rate(self) -> float:
         """Prompt tokens per second that callers under a first-token objective brought recently
         (every arrival counts, admitted or not; an exponential average over
         ``arrival_rate_window_s``): the prefill such callers are expected to queue in the
         engine. 0 before the first such caller."""
-        at = self._ft_prompt_at
-        if at is None:
-            return 0.0
-        tau = self.config.arrival_rate_window_s
-        return self._ft_prompt_sum * math.exp(-(self.now - at) / tau) / tau
+        return self._ft_prompts.rate(self.now)
 
     def _release_rate(self, now: float) -> float:
         """Blocks per second returned recently (0 when nothing was released yet)."""
-        if self._rate_at is None or self._first_release_at is None:
-            return 0.0
-        tau = self.config.release_rate_window_s
-        decayed = self._rate_sum * math.exp(-(now - self._rate_at) / tau)
-        span = min(tau, max(now - self._first_release_at, 1e-3))
-        return decayed / span
+        return self._releases.rate(now)
 
     def _estimated_wait(self, req: Request) -> float:
         """Seconds until ``req`` could be admitted, from the queue ahead and the release rate."""
@@ -765,7 +782,7 @@ class Scheduler:
         self.releasing -= 1
         if preempting:
             self.preempting -= 1
-        self._note_release(freed, now)
+        self._releases.add(freed, now)
         if preempting:
             req.state = State.CHECKPOINTED
             req.resume = req.checkpoint()
@@ -815,14 +832,6 @@ class Scheduler:
         req.stats.wasted_tokens += req.generated
         self._forget(req)
         return ev.Reject(req.request_id, retry_after, reason)
-
-    def _note_release(self, blocks: int, now: float) -> None:
-        if self._first_release_at is None:
-            self._first_release_at = now
-        if self._rate_at is not None:
-            self._rate_sum *= math.exp(-(now - self._rate_at) / self.config.release_rate_window_s)
-        self._rate_sum += blocks
-        self._rate_at = now
 
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
