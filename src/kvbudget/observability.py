@@ -315,6 +315,7 @@ SNAPSHOT_SCALARS: Final[tuple[str, ...]] = (
     "releasing",
     "unconfirmed_releasing",
     "drift_blocks",
+    "engine_preemptions",
 )
 
 
@@ -339,6 +340,7 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
     """The snapshot as JSON-able data (``by_class_tenant`` becomes a list of rows)."""
     out: dict[str, Any] = {name: getattr(snapshot, name) for name in SNAPSHOT_SCALARS}
     out["stranded_blocks"] = snapshot.stranded_blocks
+    out["rejections_by_reason"] = dict(sorted(snapshot.rejections_by_reason.items()))
     out["totals"] = _counters(snapshot.totals)
     out["by_class"] = {k: _counters(v) for k, v in sorted(snapshot.by_class.items())}
     out["by_tenant"] = {k: _counters(v) for k, v in sorted(snapshot.by_tenant.items())}
@@ -470,6 +472,20 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     ),
     "reconciled": ("reconciled", "Unconfirmed stops released by reconciliation."),
     "drift_events": ("drift_events", "Reconciliations that found drift."),
+    "pauses": ("pauses", "Engine requests paused at a grant boundary (stopped there)."),
+    "resubmissions": (
+        "resubmissions",
+        "Engine requests re-submitted to continue a paused or preempted request.",
+    ),
+    "reprefill_tokens": ("reprefill_tokens", "Tokens those re-submissions re-prefilled."),
+    "dropped_tokens": (
+        "dropped_tokens",
+        "Tokens the engine produced past a grant, dropped and generated again later.",
+    ),
+    "full_grants": (
+        "full_grants",
+        "Requests granted their hard max because a pause would change their output.",
+    ),
 }
 
 #: the budget shell's own counters (only when the exporter reads a Budget)
@@ -606,6 +622,26 @@ class PrometheusExporter:
                 fam.add_metric([*const_values, cls, tenant], float(getattr(values, attr)))
             yield fam
 
+        fam = counter(
+            PREFIX + "rejections_by_reason",
+            "Rejections (HTTP 429 / RESOURCE_EXHAUSTED) by reason.",
+            labels=[*const_names, "reason"],
+        )
+        if snap is not None:
+            for reason, n in sorted(snap.rejections_by_reason.items()):
+                fam.add_metric([*const_values, reason], float(n))
+        yield fam
+
+        fam = counter(
+            PREFIX + "engine_preemptions",
+            "The engine's own preemptions (vLLM: by recompute; 0 under the budget). No sample "
+            "where the engine does not report them.",
+            labels=const_names,
+        )
+        if snap is not None and snap.engine_preemptions is not None:
+            fam.add_metric(const_values, float(snap.engine_preemptions))
+        yield fam
+
         shell = getattr(self._owner, "counters", None) if self._owner is not None else None
         if shell is not None and hasattr(shell, "confirm_timeouts"):
             for name, (attr, doc) in SHELL_COUNTERS.items():
@@ -634,6 +670,7 @@ def metric_names() -> list[str]:
     """Every metric name the exporter exposes (counters with their ``_total`` suffix)."""
     names = [PREFIX + "info", *(PREFIX + n for n in GAUGES)]
     names += [PREFIX + n + "_total" for n in COUNTERS]
+    names += [PREFIX + "rejections_by_reason_total", PREFIX + "engine_preemptions_total"]
     names += [PREFIX + n + "_total" for n in SHELL_COUNTERS]
     names += [PREFIX + n for n in UNDERESTIMATION]
     return names

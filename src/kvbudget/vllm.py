@@ -128,9 +128,11 @@ class EngineStats:
         self.initialized = False
         self.vllm_config: Any = None
         self._waiters: list[asyncio.Future[None]] = []
-        #: called as ``on_step(batch_size, seconds)`` for each busy step (the time since the
-        #: previous record while requests were running): how the cost model is refitted
-        self.on_step: Callable[[int, float], None] | None = None
+        #: called as ``on_step(batch_size, seconds, prefill_tokens)`` for each busy step: the
+        #: engine's own timing where it reports it (``iteration_details``, with the prompt
+        #: tokens it prefilled), else the time since the previous record and None (unknown):
+        #: how the cost model is refitted
+        self.on_step: Callable[[int, float, int | None], None] | None = None
         self._busy_since: float | None = None
 
     # -- the StatLoggerBase interface ---------------------------------------------------------
@@ -158,20 +160,30 @@ class EngineStats:
             self.num_running_reqs = scheduler_stats.num_running_reqs
             self.num_waiting_reqs = scheduler_stats.num_waiting_reqs
             self.records += 1
-            self._time_step(iteration_stats)
+            self._time_step(scheduler_stats, iteration_stats)
             if self._waiters:
                 waiters, self._waiters = self._waiters, []
                 for fut in waiters:
                     if not fut.done():
                         fut.set_result(None)
 
-    def _time_step(self, iteration_stats: Any) -> None:
+    def _time_step(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         now = time.monotonic()
         busy = self.num_running_reqs > 0
         last, self._busy_since = self._busy_since, (now if busy else None)
+        on_step = self.on_step
+        if on_step is None:
+            return
+        details = getattr(scheduler_stats, "iteration_details", None)
+        if details is not None and not getattr(details, "is_dummy", False):
+            decoding = int(details.num_generation_requests)
+            prefill = int(details.num_ctx_tokens)
+            if decoding or prefill:
+                on_step(decoding, float(details.elapsed_ms) / 1000.0, prefill)
+            return
         generated = getattr(iteration_stats, "num_generation_tokens", 0) if iteration_stats else 0
-        if busy and last is not None and generated and self.on_step is not None:
-            self.on_step(self.num_running_reqs, now - last)
+        if busy and last is not None and generated:
+            on_step(self.num_running_reqs, now - last, None)
 
     def log_engine_initialized(self) -> None:
         self.initialized = True
@@ -268,6 +280,88 @@ class RequestAborted(KvBudgetError):
         super().__init__(f"request {request_id!r} was aborted")
 
 
+# == what a pause would change ====================================================================
+
+
+def pause_blockers(params: Any) -> list[str]:
+    """Why a request with these sampling params cannot be paused and resumed exactly (empty:
+    it can). A resumption re-submits prompt + the tokens so far as a new vLLM request, which
+    restarts whatever sampling state vLLM keeps per request: a per-request ``seed`` (its
+    generator), ``presence``/``frequency``/``repetition`` penalties (counted over the output,
+    which the new request sees as prompt), ``structured_outputs`` (the grammar's state),
+    ``logits_processors`` / ``extra_args`` (custom per-request state), ``bad_words``,
+    ``stop`` strings (one could span the seam), watermarking, ``thinking_token_budget`` and
+    ``repetition_detection``. Such a request is admitted with a grant to its hard max instead
+    (``RequestSpec.resumable=False``) and is never paused or preempted.
+    """
+    reasons: list[str] = []
+    g = getattr
+    if g(params, "structured_outputs", None) is not None:
+        reasons.append("structured_outputs")
+    if g(params, "seed", None) is not None:
+        reasons.append("seed")
+    if g(params, "presence_penalty", 0.0):
+        reasons.append("presence_penalty")
+    if g(params, "frequency_penalty", 0.0):
+        reasons.append("frequency_penalty")
+    if g(params, "repetition_penalty", 1.0) != 1.0:
+        reasons.append("repetition_penalty")
+    if g(params, "logits_processors", None):
+        reasons.append("logits_processors")
+    if g(params, "extra_args", None):
+        reasons.append("extra_args")
+    if g(params, "bad_words", None):
+        reasons.append("bad_words")
+    if g(params, "stop", None):
+        reasons.append("stop")
+    if g(params, "watermarking", None):
+        reasons.append("watermarking")
+    if g(params, "thinking_token_budget", None) is not None:
+        reasons.append("thinking_token_budget")
+    if g(params, "repetition_detection", None) is not None:
+        reasons.append("repetition_detection")
+    return reasons
+
+
+class _SeamText:
+    """The text of a resumed segment's tokens, continuing exactly the text the caller has.
+
+    vLLM detokenizes a resumed segment as a new request whose prompt ends with the caller's
+    output so far; its incremental detokenizer (tokenizers' ``DecodeStream`` primed with the
+    prompt) returns the whole prompt's text with the first new token when that prompt decodes
+    to an unfinished character, and it never emits what the previous segment held back. So the
+    adapter decodes resumed tokens itself, by prefix and read offsets over the output ids (as
+    vLLM's own slow path does), starting from what the caller was actually sent.
+    """
+
+    __slots__ = ("_decode", "_prefix", "_prefix_len", "_read")
+
+    def __init__(self, tokenizer: Any, ids: list[int], sent: str, skip_special: bool) -> None:
+        def decode(tokens: list[int]) -> str:
+            return str(tokenizer.decode(tokens, skip_special_tokens=skip_special))
+
+        self._decode = decode
+        k = len(ids)
+        full = decode(ids)
+        owed = len(full) - len(sent) if full.startswith(sent) else 0  # text held back so far
+        self._read = k
+        self._prefix = max(0, k - 6)
+        prefix_len = len(decode(ids[self._prefix : k])) - owed
+        if prefix_len < 0:  # held back further than the window reaches
+            self._prefix, prefix_len = 0, len(full) - owed
+        self._prefix_len = prefix_len
+
+    def delta(self, ids: list[int], finished: bool) -> str:
+        """The text ``ids`` (every output token so far) add to what was already returned."""
+        new = self._decode(ids[self._prefix :])
+        if len(new) <= self._prefix_len or (new.endswith("\ufffd") and not finished):
+            return ""  # nothing new, or an unfinished character: wait for the next token
+        text = new[self._prefix_len :]
+        self._prefix, self._read = self._read, len(ids)
+        self._prefix_len = len(self._decode(ids[self._prefix : self._read]))
+        return text
+
+
 # == one vLLM request, possibly in several segments ================================================
 
 
@@ -291,6 +385,7 @@ class _Segment:
         "paused",
         "pushed",
         "q",
+        "text",
         "vid",
     )
 
@@ -307,6 +402,7 @@ class _Segment:
         self.abort_sent = False
         self.end_mark = 0  # EngineStats.records when it ended (or when its abort was sent)
         self.done = asyncio.Event()
+        self.text: _SeamText | None = None  # a resumed segment's own detokenizer
 
 
 class _RequestEngine:
@@ -342,6 +438,10 @@ class _RequestEngine:
         self.pauses = 0
         self.resubmits = 0
         self.dropped = 0
+        #: text handed on so far, a piece per step, and each step's tokens (a resumed segment
+        #: continues that text)
+        self.sent: list[str] = []
+        self.sent_tokens: list[int] = []
 
     # -- the Engine protocol ------------------------------------------------------------------
 
@@ -368,6 +468,8 @@ class _RequestEngine:
             done = len(self.ids)
             sp.min_tokens = max(0, self.params.min_tokens - done)
             sp.prompt_logprobs = None  # the resumed prompt is not the caller's prompt
+            if sp.logprobs is None:
+                sp.detokenize = False  # the adapter decodes a resumed segment (_SeamText)
         return sp
 
     async def _submit(self, eid: str, k: int, max_tokens: int) -> _Segment:
@@ -378,6 +480,13 @@ class _RequestEngine:
         self.current = seg
         if k:
             self.resubmits += 1
+            self.owner._count(self.request_id, resubmissions=1, reprefill_tokens=len(self.ids))
+        if base:
+            tok = getattr(self.vllm, "tokenizer", None)
+            if tok is not None:
+                seg.text = _SeamText(
+                    tok, self.ids, "".join(self.sent), self.params.skip_special_tokens
+                )
         prompt = {"prompt_token_ids": self.prompt_ids + self.ids if base else self.prompt_ids}
         self._core_request()
         try:
@@ -406,6 +515,17 @@ class _RequestEngine:
         if early is not None:
             self._pushed(seg, early, count=False)
         return seg
+
+    def _sent(self, text: str, tokens: int) -> None:
+        self.sent.append(text)
+        self.sent_tokens.append(tokens)
+
+    def _forget_sent(self, keep_tokens: int) -> None:
+        """Steps past ``keep_tokens`` were dropped before the caller got them."""
+        total = sum(self.sent_tokens)
+        while self.sent and total > keep_tokens:
+            total -= self.sent_tokens.pop()
+            self.sent.pop()
 
     def _pushed(self, seg: _Segment, output: Any, count: bool = True) -> None:
         """vLLM pushed an output for ``seg`` (runs inside vLLM's output handler)."""
@@ -436,6 +556,7 @@ class _RequestEngine:
             return
         seg.paused = True
         self.pauses += 1
+        self.owner._count(self.request_id, pauses=1)
         self.owner._spawn(self._abort_segment(seg))
 
     async def _abort_vid(self, vid: str) -> None:
@@ -470,6 +591,7 @@ class _RequestEngine:
             raise EngineDead(request_id, "the vLLM engine is dead")
         if resume is not None and resume.generated_tokens < len(self.ids):
             del self.ids[resume.generated_tokens :]
+            self._forget_sent(resume.generated_tokens)
         slack = owner.slack_tokens
         k = 0
         seg = await self._submit(request_id, k, max_tokens)
@@ -498,16 +620,20 @@ class _RequestEngine:
                     if have + n > limit:  # past the grant + slack: drop, regenerate later
                         keep = max(0, int(limit - have))
                         self.dropped += n - keep
-                        _truncate(out, keep, self.vllm)
+                        self.owner._count(self.request_id, dropped_tokens=n - keep)
+                        _truncate(out, keep)
                         toks = comp.token_ids
                         n = keep
                         self._pause(seg)
                     seg.consumed += n
                     self.ids.extend(toks)
+                if seg.text is not None:
+                    comp.text = seg.text.delta(self.ids, out.finished) if n or out.finished else ""
                 if out.finished:
                     reason = comp.finish_reason
                     if reason == "stop" or reason == "length":
                         self.finish_reason = reason
+                        self._sent(comp.text, n)
                         yield EngineStep(n, True, reason, out)
                         return
                     if seg.paused or self.caller_abort:
@@ -523,10 +649,12 @@ class _RequestEngine:
                                 else RequestAborted(self.request_id)
                             )
                         if n:
+                            self._sent(comp.text, n)
                             yield EngineStep(n, payload=out)
                         continue
                     raise EngineError(request_id, f"vLLM ended the stream ({reason!r})")
                 if n:
+                    self._sent(comp.text, n)
                     yield EngineStep(n, payload=out)
         finally:
             cur = self.current
@@ -560,16 +688,15 @@ def _engine_error(exc: BaseException, vid: str) -> EngineError:
     return EngineError(vid, f"{name}: {exc}")
 
 
-def _truncate(out: Any, keep: int, engine: Any) -> None:
-    """Keep only the first ``keep`` tokens of a DELTA output (its text re-decoded)."""
+def _truncate(out: Any, keep: int) -> None:
+    """Keep only the first ``keep`` tokens of a DELTA output. Its text is dropped: the kept
+    tokens' text is owed, and the next segment's :class:`_SeamText` sends it (decoded with
+    what came before, which a decode of the kept tokens alone would not match)."""
     comp = out.outputs[0]
-    ids = list(comp.token_ids)[:keep]
-    comp.token_ids = ids
+    comp.token_ids = list(comp.token_ids)[:keep]
     if comp.logprobs is not None:
         comp.logprobs = comp.logprobs[:keep]
-    if comp.text:
-        tok = getattr(engine, "tokenizer", None)
-        comp.text = tok.decode(ids) if (tok is not None and ids) else ""
+    comp.text = ""
 
 
 # == the public adapter ============================================================================
@@ -653,10 +780,7 @@ class BudgetedEngine:
             stall_timeout=stall_timeout,
             engine=None,
         )
-        budget, sched = self.budget, self.budget.scheduler
-        self.stats.on_step = lambda batch, seconds: budget.observe_step(
-            batch, sched.active_context, seconds
-        )
+        self.stats.on_step = self._observe_step
         self.reconcile_interval = reconcile_interval
         self.confirm_probe_s = confirm_probe_s
         self.owns_engine = owns_engine
@@ -681,13 +805,21 @@ class BudgetedEngine:
         policy: Policy | str | None = None,
         config: SchedulerConfig | None = None,
         stat_loggers: list[Any] | None = None,
+        step_details: bool = True,
         **kwargs: Any,
     ) -> BudgetedEngine:
         """Start an ``AsyncLLM`` from ``AsyncEngineArgs`` with kvbudget's stat logger installed
         and wrap it (the engine is owned: shut down on exit). Blocks while the engine starts
-        (~15-20 s for the tiny CPU model). ``stat_loggers``: more factories for vLLM."""
+        (~15-20 s for the tiny CPU model). ``stat_loggers``: more factories for vLLM.
+        ``step_details``: turn on vLLM's ``enable_logging_iteration_details`` so that every
+        engine step reports its own time and the prompt tokens it prefilled, from which the
+        cost model learns the step time and the prefill cost per token (vLLM's logging stat
+        logger, present when vLLM logs at INFO, then also logs a line per step)."""
         _require_vllm()
         from vllm.v1.engine import async_llm
+
+        if step_details and hasattr(engine_args, "enable_logging_iteration_details"):
+            engine_args.enable_logging_iteration_details = True
 
         llm: Any = async_llm.AsyncLLM
         stats = EngineStats()
@@ -696,6 +828,28 @@ class BudgetedEngine:
         )
         kwargs.setdefault("owns_engine", True)
         return cls(engine, classes=classes, policy=policy, config=config, stats=stats, **kwargs)
+
+    def _observe_step(self, batch: int, seconds: float, prefill_tokens: int | None) -> None:
+        """One engine step, for the cost model: a decode step refits the step time; a step that
+        also prefilled refits the prefill cost per token (from what the decode would have
+        taken). Without the engine's own step details a step is taken as pure decode only while
+        no admitted request waits for its first token (else it may hold a prefill)."""
+        sched = self.budget.scheduler
+        context = sched.active_context
+        if prefill_tokens is None:
+            if sched.prefill_backlog == 0:
+                self.budget.observe_step(batch, context, seconds)
+            return
+        if prefill_tokens == 0:
+            if batch:
+                self.budget.observe_step(batch, context, seconds)
+            return
+        decode = sched.cost.predict_decode(batch, context)
+        sched.cost.observe_prefill(prefill_tokens, max(0.0, seconds - decode))
+
+    def _count(self, request_id: str, **counts: int) -> None:
+        """Count an engine-side event (pause, re-submission, dropped tokens) in the core."""
+        self.budget.scheduler.note_engine(request_id, **counts)
 
     def _spawn(self, coro: Any) -> None:
         """Run a short engine call (an abort) in the background, keeping a reference to it."""
@@ -711,8 +865,8 @@ class BudgetedEngine:
         return self.stats.preemptions
 
     def snapshot(self) -> Snapshot:
-        """The budget's :class:`~kvbudget.core.stats.Snapshot`."""
-        return self.budget.snapshot()
+        """The budget's :class:`~kvbudget.core.stats.Snapshot`, with vLLM's own preemptions."""
+        return attrs.evolve(self.budget.snapshot(), engine_preemptions=self.stats.preemptions)
 
     def kv_used_blocks(self) -> int | None:
         """vLLM's own count of KV blocks in use (``kv_cache_usage x usable blocks``)."""
@@ -889,6 +1043,7 @@ class BudgetedEngine:
             raise DuplicateRequest(request_id)
         if getattr(sampling_params, "n", 1) != 1:
             raise InvalidInput("sampling_params.n", sampling_params.n, "1 (n > 1 is not supported)")
+        blockers = pause_blockers(sampling_params)
         prompt_ids, prompt_text = self._prompt_ids(prompt)
         n_prompt = len(prompt_ids)
         if n_prompt >= self.max_model_len:
@@ -919,7 +1074,10 @@ class BudgetedEngine:
             durable=durable,
             on_exhausted=on_exhausted,
             deadline=deadline,
+            resumable=not blockers,
         )
+        if blockers:
+            log.debug("vllm_full_grant", request_id=request_id, because=blockers)
         reng = _RequestEngine(self, request_id, prompt_ids, sampling_params, durable)
         self._requests[request_id] = reng
         bsink = None
@@ -1058,4 +1216,5 @@ __all__ = [
     "EngineStats",
     "RequestAborted",
     "VllmResult",
+    "pause_blockers",
 ]

@@ -224,6 +224,14 @@ class CalibrationKey:
     stops: str = "default"
 
 
+def _bool(field: str) -> Any:
+    def validate(_inst: object, _attr: object, value: Any) -> None:
+        if not isinstance(value, bool):
+            raise InvalidInput(field, value, "True or False")
+
+    return validate
+
+
 def _check_on_exhausted(_inst: object, _attr: object, value: Any) -> None:
     if value not in ("extend", "continue"):
         raise InvalidInput("on_exhausted", value, "'extend' or 'continue'")
@@ -237,7 +245,11 @@ class RequestSpec:
     ``min(max_tokens, model_max_len - prompt_tokens)`` and is never exceeded. A prompt that
     leaves no room under ``model_max_len`` is refused here. ``deadline`` is in seconds from
     arrival (None: the class default). ``on_exhausted="continue"`` lets the request end with an
-    explicit continuation when its grant cannot grow, instead of waiting.
+    explicit continuation when its grant cannot grow, instead of waiting. ``resumable=False``:
+    the engine cannot resume this request from a checkpoint without changing what it produces
+    (its sampling state would not carry across a re-prefill: a per-request seed, penalties over
+    the output, structured output, logits processors, a stop string across the seam), so it is
+    admitted only with a grant to its hard max, never paused and never preempted.
     """
 
     prompt_tokens: int = attrs.field(validator=_positive_int("prompt_tokens"))
@@ -252,6 +264,7 @@ class RequestSpec:
     durable: bool = False
     on_exhausted: OnExhausted = attrs.field(default="extend", validator=_check_on_exhausted)
     deadline: float | None = attrs.field(default=None, validator=_optional_seconds("deadline"))
+    resumable: bool = attrs.field(default=True, validator=_bool("resumable"))
 
     def __attrs_post_init__(self) -> None:
         if self.prompt_tokens >= self.model_max_len:

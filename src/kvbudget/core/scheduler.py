@@ -304,6 +304,8 @@ class Scheduler:
         self._releases = _DecayingRate(self.config.release_rate_window_s, warm_up=True)
         self.now = 0.0
         self.counters: dict[tuple[str, str], Counters] = {}
+        #: rejections by reason ("deadline", "queue-timeout", "too-large", ...)
+        self.rejections_by_reason: dict[str, int] = {}
         self.policy.bind(self)
         self._refresh_headroom()
 
@@ -451,6 +453,9 @@ class Scheduler:
         return self.ledger.grant_blocks(req, req.generated + allowance)
 
     def _allowance(self, req: Request) -> int:
+        if not req.spec.resumable:
+            # a request the engine cannot resume exactly is never paused: its whole hard max
+            return req.remaining
         allowance = self.policy.initial_allowance(req)
         if not isinstance(allowance, int) or allowance < 1 or allowance > req.remaining:
             raise PolicyViolation(
@@ -536,10 +541,35 @@ class Scheduler:
         wait = self._estimated_wait(req)
         return min(max(wait, self.config.min_retry_after_s), self.config.max_retry_after_s)
 
+    def _count_rejection(self, reason: str) -> None:
+        self.rejections_by_reason[reason] = self.rejections_by_reason.get(reason, 0) + 1
+
+    def note_engine(
+        self,
+        request_id: str,
+        *,
+        pauses: int = 0,
+        resubmissions: int = 0,
+        reprefill_tokens: int = 0,
+        dropped_tokens: int = 0,
+    ) -> None:
+        """Count what an engine adapter did for a request to keep its grant (pauses at a
+        boundary, re-submissions and their re-prefill, tokens dropped past the grant). Decides
+        nothing; a request already forgotten is ignored."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        c = req.stats
+        c.pauses += pauses
+        c.resubmissions += resubmissions
+        c.reprefill_tokens += reprefill_tokens
+        c.dropped_tokens += dropped_tokens
+
     def _reject_new(self, req: Request, wait: float, reason: str) -> ev.Reject:
         req.state = State.REJECTED
         req.outcome = Outcome.REJECTED
         req.stats.rejected += 1
+        self._count_rejection(reason)
         self._remember(req.request_id)
         retry = min(max(wait, self.config.min_retry_after_s), self.config.max_retry_after_s)
         return ev.Reject(req.request_id, retry, reason)
@@ -820,6 +850,7 @@ class Scheduler:
         self.ledger.transition(req, Trigger.REJECT)
         req.outcome = Outcome.REJECTED
         req.stats.rejected += 1
+        self._count_rejection(reason)
         self.requests.pop(req.request_id, None)
         self._remember(req.request_id)
         return ev.Reject(req.request_id, self._retry_after(req), reason)
@@ -991,8 +1022,9 @@ class Scheduler:
             boundary = min(boundary, self.ledger.covered_boundary(req, req.blocks + extra))
             if boundary <= req.boundary:
                 return False
-        if extra > 0 and not self._within_floor(0, extra * self.capacity.block_size):
-            return False
+        # (no latency-floor check here: the stream is already in the batch, and a denial would
+        # stall it at its boundary, which breaks its own floor for certain; the floor guards
+        # admissions, the work that is added)
         self.ledger.extend(req, boundary, self.policy.name)
         req.ext_pending = False
         req.blocked_handled = False
@@ -1028,8 +1060,11 @@ class Scheduler:
             floor = 0 if req.cls.protected else self.ledger.protected_blocks
             need = self.ledger.grant_blocks(req, boundary) - req.blocks
             need = max(1, need - (self.ledger.free - floor))
-            # a request at its hard max is finishing; its checkpoint could never resume
-            candidates = [r for r in self.live.values() if r.generated < r.hard_max]
+            # a request at its hard max is finishing; its checkpoint could never resume; one the
+            # engine cannot resume exactly is never preempted
+            candidates = [
+                r for r in self.live.values() if r.generated < r.hard_max and r.spec.resumable
+            ]
             for victim in self.policy.choose_victims(req, need, candidates):
                 if victim.state not in _LIVE or victim.generated >= victim.hard_max:
                     raise PolicyViolation(
@@ -1164,6 +1199,7 @@ class Scheduler:
             r
             for r in self.live.values()
             if r.cls.preemptible
+            and r.spec.resumable
             and r.generated < r.hard_max
             and self._queues[r.cls.name].want_blocks <= self.capacity.blocks
         ]
@@ -1194,6 +1230,8 @@ class Scheduler:
         self._seq += 1
         req.seq = self._seq
         self.ledger.grant(req, boundary, self.policy.name)
+        if not req.spec.resumable:
+            req.stats.full_grants += 1  # (never preempted: granted once)
         self._enter_active(req)
         req.admitted_at = now
         req.prefill_pending = req.prompt + req.generated
@@ -1211,29 +1249,69 @@ class Scheduler:
         self._queues[req.cls.name].pop(req)
 
     def _ensure_progress(self, now: float, actions: list[ev.Action]) -> None:
-        """If everyone waits at a boundary and nothing will free blocks, checkpoint one."""
+        """If every live request waits at its boundary and nothing will free blocks: grow the
+        most important one from whatever is free (the pool rules are forecasts; nobody can use
+        the blocks otherwise), else checkpoint the least important so the rest can move. Only a
+        request alone with every block and still short (it needs more KV than the engine has)
+        ends, explicitly."""
         if self._stopping:
             return  # a stopped request will return its blocks
         for req in self.live.values():
             if req.state is not State.EXTENDING:
                 return
-        stuck = [r for r in self._waiting_ext.values() if r.state is State.EXTENDING]
+        stuck = sorted(
+            (r for r in self._waiting_ext.values() if r.state is State.EXTENDING),
+            key=lambda r: (r.cls.priority, not r.cls.protected, r.seq),
+        )
         if not stuck:
             return
-        # the least important, most recently admitted one gives way
-        victim = max(stuck, key=lambda r: (r.cls.priority, not r.cls.protected, r.seq))
-        if victim.spec.on_exhausted == "continue":
-            self._continue(victim, now, actions)
-        elif len(stuck) > 1:
-            self._preempt(victim, now, actions, reason="progress")
-        else:
-            # alone, holding every block it could get, and still short: the request needs more
-            # KV than the engine has. End it explicitly rather than cut it silently.
-            self._stop(victim, Trigger.FAIL, now)
-            victim.outcome = Outcome.FAILED
-            victim.stats.failed += 1
-            victim.stats.wasted_tokens += victim.generated
-            actions.append(ev.Abort(victim.request_id, "capacity-exhausted"))
+        head = stuck[0]
+        if self._extend_from_free(head, actions):
+            return
+        # the least important, most recently admitted one that can resume gives way
+        victims = [r for r in stuck[1:] if r.spec.resumable or r.spec.on_exhausted == "continue"]
+        if victims:
+            victim = victims[-1]
+            if victim.spec.on_exhausted == "continue":
+                self._continue(victim, now, actions)
+            else:
+                self._preempt(victim, now, actions, reason="progress")
+            return
+        if head.spec.on_exhausted == "continue":
+            self._continue(head, now, actions)
+            return
+        # alone (or beside work that cannot resume), holding every block it could get, and
+        # still short: the request needs more KV than the engine has. End it explicitly rather
+        # than cut it silently.
+        self._stop(head, Trigger.FAIL, now)
+        head.outcome = Outcome.FAILED
+        head.stats.failed += 1
+        head.stats.wasted_tokens += head.generated
+        actions.append(ev.Abort(head.request_id, "capacity-exhausted"))
+
+    def _extend_from_free(self, req: Request, actions: list[ev.Action]) -> bool:
+        """Extend ``req`` into whatever is free, the headroom target included (used only when
+        every live request waits at its boundary: nobody else can take those blocks). The
+        protected part stays protected: batch work never takes it (invariant 5)."""
+        free = self.ledger.free - (0 if req.cls.protected else self.ledger.protected_blocks)
+        if free < 1:
+            return False
+        want = self.policy.extension_tokens(req)
+        if want is None:
+            return False  # the policy never grows this grant
+        boundary = min(req.hard_max, req.boundary + max(1, want))
+        boundary = min(boundary, self.ledger.covered_boundary(req, req.blocks + free))
+        if boundary <= req.boundary:
+            return False
+        self.ledger.extend(req, boundary, self.policy.name)
+        req.ext_pending = False
+        req.blocked_handled = False
+        del self._waiting_ext[req.request_id]
+        req.ask_at = max(req.boundary - self.policy.lookahead_tokens(req), req.generated + 1)
+        self.policy.on_granted(req)
+        req.stats.extensions += 1
+        actions.append(ev.Extend(req.request_id, req.boundary, req.blocks))
+        return True
 
     # == reporting =================================================================================
 

@@ -7,6 +7,7 @@ structlog events and export to Prometheus.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import attrs
@@ -33,6 +34,11 @@ COUNTER_FIELDS: tuple[str, ...] = (
     "unconfirmed",
     "reconciled",
     "drift_events",
+    "pauses",
+    "resubmissions",
+    "reprefill_tokens",
+    "dropped_tokens",
+    "full_grants",
 )
 
 
@@ -62,6 +68,11 @@ class Counters:
     unconfirmed: int
     reconciled: int
     drift_events: int
+    pauses: int
+    resubmissions: int
+    reprefill_tokens: int
+    dropped_tokens: int
+    full_grants: int
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in COUNTER_FIELDS}
@@ -88,6 +99,16 @@ class CounterValues:
     unconfirmed: int = 0
     reconciled: int = 0
     drift_events: int = 0
+    #: engine-side pauses at a grant boundary (the adapter stopped the engine request there)
+    pauses: int = 0
+    #: engine requests re-submitted to continue a paused or preempted request
+    resubmissions: int = 0
+    #: prompt + output tokens those re-submissions re-prefilled
+    reprefill_tokens: int = 0
+    #: tokens the engine produced past a grant (+ slack), dropped and regenerated later
+    dropped_tokens: int = 0
+    #: requests admitted with a grant to their hard max because they cannot be resumed exactly
+    full_grants: int = 0
 
 
 @attrs.frozen(slots=True)
@@ -122,6 +143,11 @@ class Snapshot:
     by_class_tenant: dict[tuple[str, str], CounterValues]
     underestimation: UnderestimationReport | None
     drift_blocks: int
+    #: rejections (overload, queue timeouts, too-large, deadline) by reason
+    rejections_by_reason: Mapping[str, int] = attrs.field(factory=dict)
+    #: the engine's own preemptions, where the adapter can count them (vLLM: Σ
+    #: ``num_preempted_reqs``; None: not known)
+    engine_preemptions: int | None = None
 
     # convenience accessors for the DESIGN §9 names
     @property
@@ -220,4 +246,5 @@ def build_snapshot(s: Scheduler) -> Snapshot:
         by_class_tenant={k: _sum([v]) for k, v in s.counters.items()},
         underestimation=under,
         drift_blocks=s.drift,
+        rejections_by_reason=dict(s.rejections_by_reason),
     )
