@@ -110,7 +110,11 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
 @dataclass
 class Delta:
     text: str
-    tokens: int
+    token_ids: list[int]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass
@@ -143,7 +147,7 @@ async def run_generation(
             n = len(comp.token_ids)
             generated += n
             if n or comp.text:
-                yield Delta(comp.text, n)
+                yield Delta(comp.text, list(comp.token_ids))
             if out.finished:
                 reason = comp.finish_reason or "stop"
                 if reason == "abort":
@@ -277,8 +281,16 @@ class Server:
             "ignore_eos": bool(body.get("ignore_eos", False)),
             "output_kind": RequestOutputKind.DELTA,
         }
-        if body.get("seed") is not None:
-            kw["seed"] = int(body["seed"])
+        # the rest of vLLM's sampling fields this example passes on (vLLM validates them); a
+        # request whose output a pause would change (seed, penalties, stop strings) is given a
+        # grant to its hard max by the adapter (kvbudget.vllm.pause_blockers)
+        for name, conv in (
+            ("presence_penalty", float), ("frequency_penalty", float),
+            ("repetition_penalty", float), ("top_k", int), ("min_p", float),
+            ("min_tokens", int), ("seed", int),
+        ):
+            if body.get(name) is not None:
+                kw[name] = conv(body[name])
         if stop:
             kw["stop"] = [stop] if isinstance(stop, str) else list(stop)
         return SamplingParams(**kw)
@@ -325,7 +337,7 @@ class Server:
         except Exception as exc:
             await events.aclose()
             return exception_response(exc)
-        fmt = _Format(rid, self.model, chat, len(ids))
+        fmt = _Format(rid, self.model, chat, len(ids), bool(body.get("return_token_ids")))
         if body.get("stream"):
             opts_stream = body.get("stream_options") or {}
             return SSEResponse(
@@ -333,11 +345,13 @@ class Server:
             )
         try:
             text: list[str] = []
+            token_ids: list[int] = []
             finish: Finish | None = None
             event: Delta | Finish | None = first
             while event is not None:
                 if isinstance(event, Delta):
                     text.append(event.text)
+                    token_ids.extend(event.token_ids)
                 else:
                     finish = event
                 event = await anext(events, None)
@@ -346,7 +360,7 @@ class Server:
         finally:
             await events.aclose()
         assert finish is not None
-        return JSONResponse(fmt.full("".join(text), finish))
+        return JSONResponse(fmt.full("".join(text), finish, token_ids))
 
     async def stream(
         self, events: AsyncGenerator[Delta | Finish, None], first: Delta | Finish,
@@ -360,7 +374,7 @@ class Server:
             try:
                 while event is not None:
                     if isinstance(event, Delta):
-                        yield sse(fmt.chunk(None, event.text))
+                        yield sse(fmt.chunk(None, event.text, token_ids=event.token_ids))
                     else:
                         finish = event
                         yield sse(fmt.chunk(event, ""))
@@ -378,11 +392,15 @@ class Server:
 class _Format:
     """OpenAI response shapes for completions and chat completions."""
 
-    def __init__(self, rid: str, model: str, chat: bool, prompt_tokens: int) -> None:
+    def __init__(
+        self, rid: str, model: str, chat: bool, prompt_tokens: int, token_ids: bool = False
+    ) -> None:
         self.rid = rid
         self.model = model
         self.chat = chat
         self.prompt_tokens = prompt_tokens
+        #: send each choice's output token ids (vLLM's ``return_token_ids`` request field)
+        self.token_ids = token_ids
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -395,7 +413,10 @@ class _Format:
             "total_tokens": self.prompt_tokens + finish.generated,
         }
 
-    def chunk(self, finish: Finish | None, text: str, role: bool = False) -> dict[str, Any]:
+    def chunk(
+        self, finish: Finish | None, text: str, role: bool = False,
+        token_ids: list[int] | None = None,
+    ) -> dict[str, Any]:
         reason = finish.reason if finish is not None else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
@@ -408,6 +429,8 @@ class _Format:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
             out = self._head("text_completion")
+        if self.token_ids:
+            choice["token_ids"] = list(token_ids or [])
         out["choices"] = [choice]
         if finish is not None and finish.kvbudget is not None:
             out["kvbudget"] = finish.kvbudget
@@ -419,7 +442,7 @@ class _Format:
         out["usage"] = self.usage(finish)
         return out
 
-    def full(self, text: str, finish: Finish) -> dict[str, Any]:
+    def full(self, text: str, finish: Finish, token_ids: list[int]) -> dict[str, Any]:
         if self.chat:
             out = self._head("chat.completion")
             out["choices"] = [{
@@ -433,6 +456,8 @@ class _Format:
             out["choices"] = [
                 {"index": 0, "text": text, "logprobs": None, "finish_reason": finish.reason}
             ]
+        if self.token_ids:
+            out["choices"][0]["token_ids"] = token_ids
         out["usage"] = self.usage(finish)
         if finish.kvbudget is not None:
             out["kvbudget"] = finish.kvbudget

@@ -381,6 +381,195 @@ def _core_pid(engine: Any) -> int:
     return int(procs[0].pid)
 
 
+# -- pauses and preemptions never change what a request produces ----------------------------
+
+PAUSE_PROMPT = 300  # prompts of hundreds of tokens: 10 of them need ~5x the 63-block cache
+PAUSE_OUT = 200
+
+
+def _random_prompts(env: _Env, n: int, seed: int) -> list[list[int]]:
+    """``n`` random prompts of PAUSE_PROMPT token ids whose text ends on a whole character
+    (vLLM's own detokenizer returns the prompt's text when it does not; see _SeamText)."""
+    import random
+
+    tok = env.engine.tokenizer
+    rng = random.Random(seed)
+    prompts: list[list[int]] = []
+    while len(prompts) < n:
+        ids = [rng.randrange(5, 1000) for _ in range(PAUSE_PROMPT)]
+        if not tok.decode(ids).endswith("\ufffd"):
+            prompts.append(ids)
+    return prompts
+
+
+def _vllm_text(env: _Env, prompt: list[int], out: list[int]) -> str:
+    """The text vLLM's own incremental detokenizer gives ``out`` after ``prompt``."""
+    from tokenizers.decoders import DecodeStream
+
+    raw = env.engine.tokenizer._tokenizer
+    stream = DecodeStream(ids=prompt, skip_special_tokens=True)
+    return "".join(stream.step(raw, t) or "" for t in out)
+
+
+def _pressure_classes() -> Any:
+    from kvbudget.core.model import ServiceClass
+
+    # small initial grants (p10 of the cold prior) and small extensions: streams reach their
+    # boundaries with the cache full, so the adapter pauses and the core preempts
+    return [ServiceClass("interactive", protected=True, preemptible=False, initial_quantile=0.1,
+                         max_extension_tokens=32, latency_floor_s=None)]
+
+
+async def _stream_all(gen: Any) -> tuple[list[int], str, Any]:
+    ids: list[int] = []
+    text = ""
+    last = None
+    async for out in gen:
+        comp = out.outputs[0]
+        ids.extend(comp.token_ids)
+        text += comp.text
+        last = out
+    return ids, text, last
+
+
+def test_greedy_text_and_tokens_survive_pauses_and_preemptions(env: _Env) -> None:
+    prompts = _random_prompts(env, 10, seed=1)
+    sp = _sp(PAUSE_OUT)
+
+    async def bare() -> list[tuple[list[int], str, Any]]:
+        return list(await asyncio.gather(*[
+            _stream_all(env.engine.generate({"prompt_token_ids": p}, sp, f"gbare-{i}"))
+            for i, p in enumerate(prompts)
+        ]))
+
+    ref = env.run(bare())
+
+    async def budgeted() -> tuple[list[tuple[list[int], str, Any]], Any, int, int]:
+        be = env.budgeted(classes=_pressure_classes())
+        async with be:
+            before = env.stats.preemptions
+            res = await asyncio.gather(*[
+                _stream_all(be.generate({"prompt_token_ids": p}, sp, f"gkvb-{i}"))
+                for i, p in enumerate(prompts)
+            ])
+            engine_preempted = env.stats.preemptions - before
+            await _settle(be)
+            return list(res), be.snapshot(), engine_preempted, be.pauses
+
+    res, snap, engine_preempted, pauses = env.run(budgeted())
+    assert pauses + snap.preemptions > 0, "the cache should have forced pauses"
+    assert snap.totals.resubmissions > 0 and snap.totals.reprefill_tokens > 0
+    assert engine_preempted == 0
+    for i, ((ids, text, last), (rids, rtext, _)) in enumerate(zip(res, ref, strict=True)):
+        assert ids == rids, f"request {i}: tokens differ from the bare engine's"
+        assert text == rtext, f"request {i}: text differs ({len(text)} vs {len(rtext)} chars)"
+        assert last.outputs[0].finish_reason == "length"
+    assert snap.completed == len(prompts) and snap.totals.failed == 0
+
+
+def test_sampled_text_matches_its_tokens_through_pauses(env: _Env) -> None:
+    prompts = _random_prompts(env, 10, seed=2)
+    sp = _sp(PAUSE_OUT, temperature=1.0, top_p=0.95)
+
+    async def main() -> tuple[list[tuple[list[int], str, Any]], Any]:
+        be = env.budgeted(classes=_pressure_classes())
+        async with be:
+            res = await asyncio.gather(*[
+                _stream_all(be.generate({"prompt_token_ids": p}, sp, f"skvb-{i}"))
+                for i, p in enumerate(prompts)
+            ])
+            await _settle(be)
+            return list(res), be.snapshot()
+
+    res, snap = env.run(main())
+    assert snap.totals.resubmissions > 0
+    for i, (ids, text, last) in enumerate(res):
+        assert len(ids) == PAUSE_OUT and last.outputs[0].finish_reason == "length"
+        want = _vllm_text(env, prompts[i], ids)
+        assert text == want, f"request {i}: {len(text)} chars, its tokens make {len(want)}"
+
+
+def test_unresumable_sampling_is_never_paused(env: _Env) -> None:
+    """A seeded, a penalised and a stop-string request beside a burst that forces pauses: each
+    is admitted with a grant to its hard max (counted), never paused, and produces exactly what
+    the bare engine produces for it."""
+    from kvbudget.vllm import pause_blockers
+
+    burst = _random_prompts(env, 8, seed=3)
+    special = _random_prompts(env, 3, seed=4)
+    kinds = [
+        _sp(PAUSE_OUT, temperature=1.0, seed=7),
+        _sp(PAUSE_OUT, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5),
+        _sp(PAUSE_OUT, temperature=0.0, repetition_penalty=1.3, stop=["\u0000never"]),
+    ]
+    assert all(pause_blockers(k) for k in kinds) and not pause_blockers(_sp(PAUSE_OUT))
+
+    async def bare() -> list[list[int]]:
+        outs = await asyncio.gather(*[
+            _stream_all(env.engine.generate({"prompt_token_ids": p}, k, f"ubare-{i}"))
+            for i, (p, k) in enumerate(zip(special, kinds, strict=True))
+        ])
+        return [ids for ids, _, _ in outs]
+
+    ref = env.run(bare())
+
+    async def budgeted() -> tuple[list[list[int]], Any]:
+        be = env.budgeted(classes=_pressure_classes())
+        async with be:
+            others = [
+                _stream_all(be.generate({"prompt_token_ids": p}, _sp(PAUSE_OUT), f"uo-{i}"))
+                for i, p in enumerate(burst)
+            ]
+            mine = [
+                _stream_all(be.generate({"prompt_token_ids": p}, k, f"us-{i}", tenant="fixed"))
+                for i, (p, k) in enumerate(zip(special, kinds, strict=True))
+            ]
+            res = await asyncio.gather(*mine, *others)
+            await _settle(be)
+            return [ids for ids, _, _ in res[: len(mine)]], be.snapshot()
+
+    got, snap = env.run(budgeted())
+    fixed = snap.by_tenant["fixed"]
+    assert fixed.full_grants == 3
+    assert fixed.pauses == 0 and fixed.preemptions == 0 and fixed.resubmissions == 0
+    assert snap.by_tenant["default"].pauses + snap.by_tenant["default"].preemptions > 0
+    assert got == ref
+
+
+def test_cold_burst_never_fails_an_admitted_stream(env: _Env) -> None:
+    """Default classes, no length observations yet: a burst of requests that each fit the
+    engine. Every caller is either turned away before its first token (Overloaded) or gets
+    every token it asked for: no capacity-exhausted, no error mid-stream."""
+    from kvbudget.errors import Overloaded
+
+    prompts = _random_prompts(env, 16, seed=5)
+    sp = _sp(PAUSE_OUT, temperature=1.0)
+
+    async def one(be: Any, i: int) -> str:
+        got = 0
+        try:
+            async for out in be.generate({"prompt_token_ids": prompts[i]}, sp, f"cold-{i}"):
+                got += len(out.outputs[0].token_ids)
+        except Overloaded as exc:
+            return f"rejected-before-output:{exc.reason}" if got == 0 else f"cut:{exc.reason}"
+        except Exception as exc:
+            return f"error:{type(exc).__name__}"
+        return "complete" if got == PAUSE_OUT else f"short:{got}"
+
+    async def main() -> tuple[list[str], Any]:
+        be = env.budgeted()
+        async with be:
+            res = await asyncio.gather(*[one(be, i) for i in range(len(prompts))])
+            await _settle(be)
+            return list(res), be.snapshot()
+
+    res, snap = env.run(main())
+    assert all(r == "complete" or r.startswith("rejected-before-output") for r in res), res
+    assert res.count("complete") >= 4, res
+    assert snap.totals.failed == 0 and snap.reserved_blocks == 0
+    assert "capacity-exhausted" not in snap.rejections_by_reason
+
+
 def test_stalled_engine_raises_engine_stalled(env: _Env) -> None:
     from kvbudget.errors import EngineStalled
 

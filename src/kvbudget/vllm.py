@@ -351,11 +351,13 @@ class _SeamText:
             self._prefix, prefix_len = 0, len(full) - owed
         self._prefix_len = prefix_len
 
-    def delta(self, ids: list[int], finished: bool) -> str:
+    def delta(self, ids: list[int]) -> str:
         """The text ``ids`` (every output token so far) add to what was already returned."""
         new = self._decode(ids[self._prefix :])
-        if len(new) <= self._prefix_len or (new.endswith("\ufffd") and not finished):
-            return ""  # nothing new, or an unfinished character: wait for the next token
+        if len(new) <= self._prefix_len or new.endswith("\ufffd"):
+            # nothing new, or an unfinished character: wait for the next token (at the end,
+            # vLLM's own detokenizer leaves an unfinished character out too)
+            return ""
         text = new[self._prefix_len :]
         self._prefix, self._read = self._read, len(ids)
         self._prefix_len = len(self._decode(ids[self._prefix : self._read]))
@@ -628,7 +630,7 @@ class _RequestEngine:
                     seg.consumed += n
                     self.ids.extend(toks)
                 if seg.text is not None:
-                    comp.text = seg.text.delta(self.ids, out.finished) if n or out.finished else ""
+                    comp.text = seg.text.delta(self.ids) if n else ""
                 if out.finished:
                     reason = comp.finish_reason
                     if reason == "stop" or reason == "length":

@@ -124,9 +124,10 @@ class CostModel:
     updates (fixed, per_seq, per_context_token) by one RLS step with forgetting factor
     ``forgetting`` (an observation ``k`` steps old weighs ``forgetting ** k``); each
     :meth:`observe_prefill` updates ``prefill_per_token_s`` the same way. Coefficients are
-    projected onto >= 0 after each update, and the covariance trace is bounded so that
+    read projected onto >= 0, and the covariance trace is bounded so that
     unexcited directions (e.g. every step at the same batch size) cannot wind up: the fit then
-    stays exact for what was observed and near the prior elsewhere. O(1) per call.
+    stays exact for what was observed and near the prior elsewhere. O(1) per call. (The
+    recursion itself is unconstrained; only the coefficients read are projected.)
     """
 
     __slots__ = (
@@ -187,9 +188,9 @@ class CostModel:
         if cur is None:
             t = self._theta
             cur = StepTimeModel(
-                fixed_s=t[0] / _Y,
-                per_seq_s=t[1] / (_Y * _B),
-                per_context_token_s=t[2] / (_Y * _C),
+                fixed_s=max(0.0, t[0]) / _Y,
+                per_seq_s=max(0.0, t[1]) / (_Y * _B),
+                per_context_token_s=max(0.0, t[2]) / (_Y * _C),
                 prefill_per_token_s=self._theta_p / (_Y * _T),
             )
             self._current = cur
@@ -277,9 +278,12 @@ class CostModel:
         k1 = px1 / denom
         k2 = px2 / denom
         err = y - (th[0] * 1.0 + th[1] * x1 + th[2] * x2)
-        th[0] = max(0.0, th[0] + k0 * err)
-        th[1] = max(0.0, th[1] + k1 * err)
-        th[2] = max(0.0, th[2] + k2 * err)
+        # the recursion runs on the unconstrained estimate; only what is read (current()) is
+        # projected onto >= 0: feeding the projection back makes RLS diverge on the narrow,
+        # collinear data of a real engine (batch and context moving together)
+        th[0] += k0 * err
+        th[1] += k1 * err
+        th[2] += k2 * err
         # P <- (P - k (P x)^T) / lam, kept symmetric.
         v = (p0[0] - k0 * px0) / lam
         p0[0] = v

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from kvbudget.core.scheduler import Scheduler
 
 
+#: the objective a pause's re-prefill is weighed against for a class with no first-token one
+_REFERENCE_S = 2.0
+
+
 class Blocked(enum.Enum):
     """What to do with a request stopped at its boundary whose grant cannot grow now."""
 
@@ -187,6 +191,8 @@ class CalibratedPolicy(BasePolicy):
         lookahead_blocks: int = 1,
         grant_step_tokens: int | None = 128,
         batch_prefill_share: float | None = 0.5,
+        recompute_share: float | None = 0.1,
+        min_prefill_observations: int = 8,
     ) -> None:
         self.headroom_min = check_float("headroom_min", headroom_min, maximum=1.0)
         self.headroom_max = check_float(
@@ -206,6 +212,14 @@ class CalibratedPolicy(BasePolicy):
             None
             if batch_prefill_share is None
             else check_float("batch_prefill_share", batch_prefill_share, open_min=True)
+        )
+        self.recompute_share = (
+            None
+            if recompute_share is None
+            else check_float("recompute_share", recompute_share, open_min=True, maximum=1.0)
+        )
+        self.min_prefill_observations = check_int(
+            "min_prefill_observations", min_prefill_observations, minimum=1
         )
         self._demand = 0.0
         self._demand_of: dict[str, float] = {}
@@ -238,7 +252,52 @@ class CalibratedPolicy(BasePolicy):
     def protected_blocks(self) -> int:
         return math.ceil(self.protected_fraction * self._s.capacity.blocks)
 
+    # -- the engine's economics: where a pause is cheap, be as optimistic as the engine ----------
+
+    def cheap_to_pause(self, req: Request) -> bool:
+        """Is re-prefilling ``req`` after a pause cheap against its objective? True when the
+        engine's own prefill cost has been measured (``min_prefill_observations`` prefills seen
+        by the cost model: an adapter that reads the engine's step details feeds them; the
+        simulator does not) and re-prefilling its prompt plus the p90 of its length takes at
+        most ``recompute_share`` of its first-token objective (2 s for a class without one).
+        Such a request is granted like vLLM grants: the blocks it fills now and one more, grown
+        two blocks at a time; when the cache runs out the most recently admitted request is
+        paused (checkpointed), as vLLM preempts, but before the engine has to."""
+        share = self.recompute_share
+        if share is None or not req.spec.resumable:
+            return False
+        s = self._s
+        cost = s.cost
+        if cost.prefill_observations < self.min_prefill_observations:
+            return False
+        objective = req.cls.ttft_slo_s if req.cls.ttft_slo_s is not None else _REFERENCE_S
+        expected = req.prompt + max(req.generated, s.lengths.quantile(req.key, 0.9))
+        return cost.predict_prefill(min(expected, req.prompt + req.hard_max)) <= share * objective
+
+    def acts_ahead(self, req: Request) -> bool:
+        return self.cheap_to_pause(req)
+
+    def _newer(self, req: Request) -> list[Request]:
+        """Live requests admitted after ``req`` that may be paused, newest first."""
+        from kvbudget.core.ledger import State
+
+        live = (State.ADMITTED, State.RUNNING, State.EXTENDING)
+        return sorted(
+            (
+                r
+                for r in self._s.live.values()
+                if r.seq > req.seq
+                and r.state in live
+                and r.spec.resumable
+                and r.generated < r.hard_max
+            ),
+            key=lambda r: -r.seq,
+        )
+
     def initial_allowance(self, req: Request) -> int:
+        if self.cheap_to_pause(req):
+            fill = -req.context_tokens % self.block_size + self.block_size
+            return max(1, min(req.remaining, fill))
         lengths = self._s.lengths
         if req.generated:
             target = lengths.conditional_quantile(
@@ -280,6 +339,8 @@ class CalibratedPolicy(BasePolicy):
     def extension_tokens(self, req: Request) -> int | None:
         if req.boundary >= req.hard_max:
             return None
+        if self.cheap_to_pause(req):
+            return min(req.hard_max - req.boundary, 2 * self.block_size)
         return self._extension(req, self._target(req))
 
     def _target(self, req: Request) -> int:
@@ -300,6 +361,15 @@ class CalibratedPolicy(BasePolicy):
         return None if req.cls.protected else self.grant_step_tokens
 
     def on_blocked(self, req: Request) -> Blocked:
+        from kvbudget.core.ledger import State
+
+        if self.cheap_to_pause(req):
+            # as vLLM: the most recently admitted gives way, this one if it is the newest
+            if self._newer(req):
+                return Blocked.PREEMPT_OTHERS
+            if req.state is State.EXTENDING:
+                return Blocked.PREEMPT_SELF
+            return Blocked.WAIT  # (asked ahead: decide at the boundary)
         if req.cls.protected and any(self._eligible(req, r) for r in self._s.live.values()):
             return Blocked.PREEMPT_OTHERS
         return Blocked.CONTINUE if req.spec.on_exhausted == "continue" else Blocked.WAIT
@@ -318,6 +388,17 @@ class CalibratedPolicy(BasePolicy):
     def choose_victims(
         self, req: Request, need_blocks: int, candidates: Sequence[Request]
     ) -> list[Request]:
+        if self.cheap_to_pause(req):
+            allowed = {r.request_id for r in candidates}
+            chosen: list[Request] = []
+            freed = 0
+            for victim in self._newer(req):
+                if freed >= need_blocks:
+                    break
+                if victim.request_id in allowed:
+                    chosen.append(victim)
+                    freed += victim.blocks
+            return chosen
         now = self._s.now
         eligible = [r for r in candidates if self._eligible(req, r)]
         # cheapest to recompute first; among equals, the one with the most deadline slack
@@ -327,7 +408,7 @@ class CalibratedPolicy(BasePolicy):
                 -(r.deadline_at - now if r.deadline_at is not None else math.inf),
             )
         )
-        chosen: list[Request] = []
+        chosen = []
         freed = 0
         for victim in eligible:
             if freed >= need_blocks:

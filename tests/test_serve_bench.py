@@ -1,0 +1,194 @@
+"""The pure helpers of benchmarks/serve_bench.py (no server, no vLLM import)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+from types import ModuleType
+
+import pytest
+
+_PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "serve_bench.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("serve_bench", _PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["serve_bench"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+sb = _load()
+
+
+def _rec(**kw: object) -> sb.Record:
+    base: dict[str, object] = {
+        "request_id": "r-0", "prompt": "hi", "prompt_len": 2, "output_len": 3, "status": 200,
+        "done": True, "output_tokens": 3, "ttft": 0.1, "latency": 0.3, "text_ok": True,
+    }
+    base.update(kw)
+    return sb.Record(**base)  # type: ignore[arg-type]
+
+
+def test_parse_prometheus_sums_label_sets_and_skips_comments() -> None:
+    text = (
+        "# HELP vllm:num_preemptions_total Preemptions\n"
+        "# TYPE vllm:num_preemptions_total counter\n"
+        'vllm:num_preemptions_total{engine="0",model_name="tiny"} 3.0\n'
+        'vllm:num_preemptions_total{engine="1",model_name="a b}"} 2\n'
+        "kvbudget_reserved_blocks 7 1700000000\n"
+        "bad_line\n"
+    )
+    m = sb.parse_prometheus(text)
+    assert m["vllm:num_preemptions_total"] == 5.0
+    assert m["kvbudget_reserved_blocks"] == 7.0
+    assert "bad_line" not in m
+
+
+def test_sse_parser_splits_events_across_reads_and_crlf() -> None:
+    p = sb.SSEParser()
+    assert p.feed(b'data: {"a": 1}\n\ndata: {"b"') == ['{"a": 1}']
+    assert p.feed(b': 2}\r') == []
+    assert p.feed(b'\n\r\n: ping\r\n\r\ndata: [DONE]\n\n') == ['{"b": 2}', "[DONE]"]
+    assert p.feed("data: é".encode()[:-1]) == []  # a split UTF-8 character waits
+    assert p.feed("é".encode()[-1:] + b"\n\n") == ["é"]
+
+
+def test_apply_message_timing_tokens_usage_and_error_events() -> None:
+    rec = sb.Record("r", "p", 1, 2, start=10.0)
+    chunk = {"choices": [{"text": "a", "token_ids": [5], "prompt_token_ids": [0, 9]}]}
+    last = sb.apply_message(rec, json.dumps(chunk), 10.5, 10.0)
+    chunk2 = {"choices": [{"text": "b", "token_ids": [6], "finish_reason": "length"}]}
+    last = sb.apply_message(rec, json.dumps(chunk2), 10.7, last)
+    sb.apply_message(rec, json.dumps({"choices": [], "usage": {"completion_tokens": 2,
+                                                               "prompt_tokens": 2}}), 10.8, last)
+    sb.apply_message(rec, "[DONE]", 10.9, last)
+    assert rec.ttft == pytest.approx(0.5)
+    assert rec.itl == [pytest.approx(0.2)]
+    assert (rec.text, rec.token_ids, rec.prompt_token_ids) == ("ab", [5, 6], [0, 9])
+    assert (rec.output_tokens, rec.prompt_len, rec.done, rec.finish_reason) == (2, 2, True,
+                                                                                "length")
+    err = sb.Record("r", "p", 1, 2)
+    sb.apply_message(err, json.dumps({"error": {"message": "busy", "code": 503}}), 1.0, 0.0)
+    assert err.error_code == 503 and err.error_event is not None
+
+
+def test_a_bare_finish_chunk_is_not_a_token() -> None:
+    rec = sb.Record("r", "p", 1, 2)
+    sb.apply_message(rec, json.dumps({"choices": [{"text": "x"}]}), 1.0, 0.0)
+    sb.apply_message(rec, json.dumps({"choices": [{"text": "", "finish_reason": "length"}]}),
+                     1.1, 1.0)
+    assert (rec.chunks, rec.token_chunks, rec.tokens_seen()) == (2, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("kw", "outcome"),
+    [
+        ({}, "good"),
+        ({"ttft": 2.5, "latency": 2.7}, "late"),
+        ({"latency": 0.1 + 2 * 0.2}, "late"),  # tpot 200 ms
+        ({"status": 429}, "rejected"),
+        ({"status": 503}, "rejected_503"),
+        ({"status": 500}, "failed"),
+        ({"status": None, "error": "ClientConnectorError"}, "failed"),
+        ({"error_event": "{}", "error_code": 500}, "failed"),
+        ({"error_event": "{}", "error_code": 503, "ttft": None}, "rejected_503"),
+        ({"error_event": "{}", "error_code": 503}, "failed"),  # after tokens: a failure
+        ({"error_event": "{}", "error_type": "overloaded", "ttft": None}, "rejected"),
+        ({"done": False}, "failed"),
+        ({"output_tokens": 2}, "failed"),
+        ({"output_tokens": None}, "failed"),
+        ({"token_ids": [1, 2]}, "failed"),  # 2 ids but usage says 3
+        ({"text_ok": False}, "failed"),
+        ({"text_ok": None}, "good"),  # no token ids: not checked, not failed
+        ({"left": True, "done": False, "output_tokens": None}, "abandoned"),
+    ],
+)
+def test_classify(kw: dict[str, object], outcome: str) -> None:
+    assert sb.classify(_rec(**kw))[0] == outcome
+
+
+def test_tpot_is_per_token_after_the_first() -> None:
+    assert _rec(ttft=1.0, latency=3.0, output_tokens=5).tpot() == pytest.approx(0.5)
+    assert _rec(output_tokens=1).tpot() == 0.0
+
+
+def test_cross_check_matches_by_prompt_and_fails_mismatches() -> None:
+    ref = [
+        _rec(prompt="a", text="x", token_ids=[1], outcome="good"),
+        _rec(prompt="b", text="y", token_ids=[2], outcome="good"),
+    ]
+    other = [
+        _rec(prompt="b", text="y", token_ids=[2], outcome="good"),
+        _rec(prompt="a", text="x", token_ids=[9], outcome="late"),  # ids differ
+        _rec(prompt="c", text="z", outcome="good"),  # not in the reference
+        _rec(prompt="a", text="q", token_ids=None, outcome="good"),  # text differs, no ids
+        _rec(prompt="a", outcome="rejected"),  # not compared
+    ]
+    counts = sb.cross_check(ref, other)
+    assert counts == {"compared": 3, "mismatches": 2, "unmatched": 1}
+    assert [r.outcome for r in other] == ["good", "failed", "good", "failed", "rejected"]
+
+
+def test_parse_servers() -> None:
+    names = [s.name for s in sb.parse_servers(None, "8,32")]
+    assert names == ["vllm", "vllm-cap8", "vllm-cap32", "kvbudget"]
+    specs = sb.parse_servers("kvbudget,vllm-cap4", None)
+    assert [(s.name, s.kind, s.queue_cap) for s in specs] == [
+        ("kvbudget", "kvbudget", None), ("vllm-cap4", "vllm", 4)
+    ]
+    argv = specs[1].argv(pathlib.Path("/m"), 9000, "calibrated")
+    assert argv[-2:] == ["--max-num-queued-reqs", "4"] and "--num-gpu-blocks-override" in argv
+    assert specs[0].argv(pathlib.Path("/m"), 9001, "greedy")[-2:] == ["--policy", "greedy"]
+    with pytest.raises(ValueError):
+        sb.parse_servers("sglang", None)
+
+
+def test_without_proxies() -> None:
+    env = sb.without_proxies({"HTTP_PROXY": "x", "https_proxy": "y", "All_Proxy": "z", "K": "v"})
+    assert env == {"K": "v", "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+
+
+def test_summarize_and_abandon_figures() -> None:
+    recs = [
+        _rec(outcome="good"),
+        _rec(outcome="late"),
+        _rec(outcome="rejected_503"),
+        _rec(outcome="abandoned", leave_after=2, left=True, token_chunks=2, itl=[0.5]),
+        _rec(outcome="good", itl=[0.3, 0.01], token_chunks=3),
+    ]
+    s = sb.summarize(recs, 2.0)
+    assert (s["sent"], s["good"], s["late"], s["rejected_503"], s["goodput"]) == (5, 2, 1, 1, 1.0)
+    a = sb.abandon_figures(recs, {"generation_tokens": 20.0, "budget_tokens": 99.0})
+    assert (a["stayed"], a["left"], a["useful"], a["stalls"], a["stalled_requests"]) == (
+        4, 1, 2, 1, 1
+    )
+    assert a["wasted_decoded_tokens"] == 20 - 3 and a["delivered_to_leavers"] == 2
+    kvb = sb.abandon_figures(recs, {"budget_tokens": 10.0, "budget_wasted_tokens": 4.0})
+    assert (kvb["wasted_decoded_tokens"], kvb["server_wasted_tokens"]) == (7, 4)
+    lower = sb.abandon_figures(recs, {})
+    assert lower["wasted_decoded_tokens"] == 2 and lower["wasted_source"].startswith("lower")
+
+
+def test_abandon_plan_is_seeded() -> None:
+    a = sb.abandon_plan(20, 7, "p-", 1024, range(5))
+    b = sb.abandon_plan(20, 7, "p-", 1024, range(5))
+    assert [(t, r.prompt, r.output_len, r.leave_after) for t, r, _ in a] == [
+        (t, r.prompt, r.output_len, r.leave_after) for t, r, _ in b
+    ]
+    for _, rec, payload in a:
+        assert len(rec.prompt) == 256 and min(rec.prompt) >= 5
+        assert 100 <= rec.output_len <= 400 and payload["max_tokens"] == rec.output_len
+        assert rec.leave_after is None or 1 <= rec.leave_after < rec.output_len
+
+
+def test_text_verdict() -> None:
+    assert sb.text_verdict("ab", "ab", "xx") == "exact"
+    assert sb.text_verdict("ab", "pp ab", "ab") == "exact"  # a plain decode is fine too
+    assert sb.text_verdict("a\ufffdb", "a\ufffd\ufffdb", "ab\ufffd") == "fffd"
+    assert sb.text_verdict("ab", "a\ufffdb", "xx") == "fffd"
+    assert sb.text_verdict("ac", "ab", "ab") == "mismatch"
