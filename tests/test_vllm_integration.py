@@ -489,6 +489,37 @@ def test_sampled_text_matches_its_tokens_through_pauses(env: _Env) -> None:
         assert text == want, f"request {i}: {len(text)} chars, its tokens make {len(want)}"
 
 
+def test_prompt_ending_mid_character_does_not_come_back(env: _Env) -> None:
+    """A prompt whose text ends on an unfinished character: vLLM's own detokenizer would send
+    that prompt's text back with the first token; the adapter decodes the output itself."""
+    import random
+
+    from tokenizers.decoders import DecodeStream
+
+    tok = env.engine.tokenizer
+    rng = random.Random(6)
+    while True:
+        prompt = [rng.randrange(5, 1000) for _ in range(PAUSE_PROMPT)]
+        if tok.decode(prompt).endswith("\ufffd"):
+            break
+
+    async def main() -> tuple[list[int], str]:
+        be = env.budgeted(classes=_pressure_classes())
+        async with be:
+            ids, text, _ = await _stream_all(
+                be.generate({"prompt_token_ids": prompt}, _sp(PAUSE_OUT), "midchar")
+            )
+            await _settle(be)
+            return ids, text
+
+    ids, text = env.run(main())
+    stream = DecodeStream(ids=[], skip_special_tokens=True)
+    raw = tok._tokenizer
+    want = "".join(stream.step(raw, t) or "" for t in ids)
+    assert len(ids) == PAUSE_OUT
+    assert text == want, f"{len(text)} chars; its tokens alone make {len(want)}"
+
+
 def test_unresumable_sampling_is_never_paused(env: _Env) -> None:
     """A seeded, a penalised and a stop-string request beside a burst that forces pauses: each
     is admitted with a grant to its hard max (counted), never paused, and produces exactly what

@@ -440,6 +440,11 @@ class _RequestEngine:
         self.pauses = 0
         self.resubmits = 0
         self.dropped = 0
+        tok = getattr(self.vllm, "tokenizer", None)
+        #: the adapter decodes every segment itself (not only resumed ones): the caller's
+        #: prompt decodes to an unfinished character, which vLLM's detokenizer would answer
+        #: with the prompt's own text (see _SeamText)
+        self.own_text = tok is not None and str(tok.decode(prompt_ids[-8:])).endswith("\ufffd")
         #: text handed on so far, a piece per step, and each step's tokens (a resumed segment
         #: continues that text)
         self.sent: list[str] = []
@@ -466,6 +471,8 @@ class _RequestEngine:
         sp = self.params.clone()
         sp.max_tokens = remaining
         sp.output_kind = RequestOutputKind.DELTA
+        if self.own_text and sp.logprobs is None:
+            sp.detokenize = False
         if not first:
             done = len(self.ids)
             sp.min_tokens = max(0, self.params.min_tokens - done)
@@ -483,7 +490,7 @@ class _RequestEngine:
         if k:
             self.resubmits += 1
             self.owner._count(self.request_id, resubmissions=1, reprefill_tokens=len(self.ids))
-        if base:
+        if base or self.own_text:
             tok = getattr(self.vllm, "tokenizer", None)
             if tok is not None:
                 seg.text = _SeamText(

@@ -1035,6 +1035,11 @@ class Scheduler:
         # (no latency-floor check here: the stream is already in the batch, and a denial would
         # stall it at its boundary, which breaks its own floor for certain; the floor guards
         # admissions, the work that is added)
+        self._extend_to(req, boundary, actions)
+        return True
+
+    def _extend_to(self, req: Request, boundary: int, actions: list[ev.Action]) -> None:
+        """Grow ``req``'s grant to ``boundary`` (already checked against the pool rules)."""
         self.ledger.extend(req, boundary, self.policy.name)
         req.ext_pending = False
         req.blocked_handled = False
@@ -1043,7 +1048,6 @@ class Scheduler:
         self.policy.on_granted(req)
         req.stats.extensions += 1
         actions.append(ev.Extend(req.request_id, req.boundary, req.blocks))
-        return True
 
     def _handle_blocked(self, req: Request, now: float, actions: list[ev.Action]) -> None:
         from kvbudget.core.policy import Blocked
@@ -1313,14 +1317,7 @@ class Scheduler:
         boundary = min(boundary, self.ledger.covered_boundary(req, req.blocks + free))
         if boundary <= req.boundary:
             return False
-        self.ledger.extend(req, boundary, self.policy.name)
-        req.ext_pending = False
-        req.blocked_handled = False
-        del self._waiting_ext[req.request_id]
-        req.ask_at = max(req.boundary - self.policy.lookahead_tokens(req), req.generated + 1)
-        self.policy.on_granted(req)
-        req.stats.extensions += 1
-        actions.append(ev.Extend(req.request_id, req.boundary, req.blocks))
+        self._extend_to(req, boundary, actions)
         return True
 
     # == reporting =================================================================================
