@@ -367,9 +367,13 @@ class CalibratedPolicy(BasePolicy):
             # as vLLM: the most recently admitted gives way, this one if it is the newest
             if self._newer(req):
                 return Blocked.PREEMPT_OTHERS
-            if req.state is State.EXTENDING:
-                return Blocked.PREEMPT_SELF
-            return Blocked.WAIT  # (asked ahead: decide at the boundary)
+            if req.spec.on_exhausted == "continue":
+                return Blocked.CONTINUE if req.state is State.EXTENDING else Blocked.WAIT
+            s = self._s
+            room = s.capacity.blocks - (0 if req.cls.protected else s.ledger.protected_blocks)
+            if req.state is State.EXTENDING and s.ledger.grant_blocks(req, req.hard_max) <= room:
+                return Blocked.PREEMPT_SELF  # it resumes once there is room (it fits alone)
+            return Blocked.WAIT  # (asked ahead: decide at the boundary; too large: progress)
         if req.cls.protected and any(self._eligible(req, r) for r in self._s.live.values()):
             return Blocked.PREEMPT_OTHERS
         return Blocked.CONTINUE if req.spec.on_exhausted == "continue" else Blocked.WAIT
