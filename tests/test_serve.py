@@ -1,0 +1,236 @@
+"""``kvbudget serve`` end to end: vLLM's own OpenAI app with the budget inside, the real engine.
+
+The server is started ONCE for the module, as a subprocess, exactly as docs/serve.md says
+(``kvbudget serve MODEL --dtype float32 --enforce-eager ...``), on a small KV cache (24 blocks
+of 32 tokens) so that a flood is easy; the ``openai`` client and httpx talk to it over loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from test_examples import PROXY_VARIABLES, ServerProcess, _free_port, _model_dir
+
+pytestmark = pytest.mark.vllm
+
+KV_BLOCKS = 24  # 23 usable blocks of 32 tokens
+MAX_MODEL_LEN = 736
+START_TIMEOUT_S = 180.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    model = _model_dir()
+    log = tmp_path_factory.mktemp("serve-logs") / "kvbudget-serve.log"
+    port = _free_port()
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.lower() in PROXY_VARIABLES}
+    os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
+    proc = ServerProcess(
+        "kvbudget serve",
+        ["-m", "kvbudget.cli", "serve", str(model), "--dtype", "float32", "--enforce-eager",
+         "--block-size", "32", "--num-gpu-blocks-override", str(KV_BLOCKS),
+         "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64", "--port", str(port),
+         "--served-model-name", "tiny", "--gpu-memory-utilization", "0.3",
+         "--disable-uvicorn-access-log"],
+        log,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import httpx
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            proc.check_alive()
+            try:
+                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"kvbudget serve did not start:\n{proc.tail()}")
+            time.sleep(0.5)
+        yield {"url": url, "proc": proc}
+    finally:
+        proc.stop()
+        os.environ.update(saved)
+
+
+def _client(server: dict[str, Any]) -> Any:
+    import httpx
+    import openai
+
+    return openai.OpenAI(
+        base_url=f"{server['url']}/v1", api_key="x", max_retries=0,
+        http_client=httpx.Client(trust_env=False, timeout=60),
+    )
+
+
+def _snapshot(server: dict[str, Any]) -> dict[str, Any]:
+    import httpx
+
+    data: dict[str, Any] = httpx.get(
+        f"{server['url']}/kvbudget/snapshot", timeout=5, trust_env=False
+    ).json()
+    return data
+
+
+def _wait_idle(server: dict[str, Any], timeout: float = 20.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = _snapshot(server)
+        if snap["reserved_blocks"] == 0 and snap["active"] == 0 and snap["queued"] == 0:
+            return snap
+        if time.monotonic() > deadline:
+            return snap
+        time.sleep(0.1)
+
+
+def test_completions_and_chat_stream_and_not(server: dict[str, Any]) -> None:
+    client = _client(server)
+    done = client.completions.create(model="tiny", prompt="hello there", max_tokens=24,
+                                      extra_body={"ignore_eos": True})
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage is not None and done.usage.completion_tokens == 24
+    chunks = list(client.completions.create(
+        model="tiny", prompt="hello there", max_tokens=40, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    ))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[-1].completion_tokens == 40 and text
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=16,
+        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True},
+    )
+    assert chat.choices[0].logprobs is not None
+    assert len(chat.choices[0].logprobs.content or []) == 16
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=16, stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(parts)
+    snap = _wait_idle(server)
+    assert snap["reserved_blocks"] == 0 and snap["totals"]["completed"] >= 4
+
+
+def test_tools_and_structured_output(server: dict[str, Any]) -> None:
+    """A request with tools is served; one under a grammar (``response_format``: structured
+    outputs) is granted its hard max, since a pause would restart the grammar, and is never
+    paused."""
+    client = _client(server)
+    before = _snapshot(server)["totals"]
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "description": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]},
+    }}
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "weather in Paris?"}],
+        tools=[tool], tool_choice="none", max_tokens=16,
+    )
+    assert out.choices[0].finish_reason in ("stop", "length")
+    shaped = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a city, as JSON"}], max_tokens=48,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"]}}},
+    )
+    assert shaped.choices[0].message.content
+    after = _wait_idle(server)["totals"]
+    assert after["full_grants"] == before["full_grants"] + 1
+    assert after["pauses"] == before["pauses"]
+
+
+def test_what_the_budget_cannot_carry_is_a_clear_400(server: dict[str, Any]) -> None:
+    import httpx
+
+    url = f"{server['url']}/v1/completions"
+    r = httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 4, "n": 2},
+                   trust_env=False, timeout=30)
+    assert r.status_code == 400 and "n > 1" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
+                   headers={"X-KVBudget-Class": "nope"}, trust_env=False, timeout=30)
+    assert r.status_code == 400 and "nope" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": "nope", "prompt": "hi", "max_tokens": 4},
+                   trust_env=False, timeout=30)
+    assert r.status_code == 404  # vLLM's own validation is still there
+
+
+def test_overload_is_429_with_retry_after_and_never_an_error_after_200(
+    server: dict[str, Any],
+) -> None:
+    import httpx
+
+    _wait_idle(server)
+    rng = random.Random(0)
+
+    async def flood() -> list[tuple[int, str | None, int, int]]:
+        async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+            async def one(i: int) -> tuple[int, str | None, int, int]:
+                body = {"model": "tiny", "prompt": [rng.randrange(5, 1000) for _ in range(300)],
+                        "max_tokens": 300, "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                async with client.stream("POST", f"{server['url']}/v1/completions",
+                                         json=body) as r:
+                    errors = tokens = 0
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            errors += 1
+                        elif chunk.get("usage"):
+                            tokens = chunk["usage"]["completion_tokens"]
+                    return r.status_code, r.headers.get("retry-after"), errors, tokens
+
+            return list(await asyncio.gather(*[one(i) for i in range(24)]))
+
+    results = asyncio.run(flood())
+    codes = [code for code, _, _, _ in results]
+    assert codes.count(429) >= 1, codes
+    assert all(ra is not None and int(ra) >= 1 for code, ra, _, _ in results if code == 429)
+    served = [(errors, tokens) for code, _, errors, tokens in results if code == 200]
+    assert served and all(errors == 0 and tokens == 300 for errors, tokens in served), served
+    snap = _wait_idle(server)
+    assert snap["reserved_blocks"] == 0 and snap["engine_preemptions"] == 0
+
+
+def test_disconnect_mid_stream_returns_the_blocks(server: dict[str, Any]) -> None:
+    import httpx
+
+    _wait_idle(server)
+    before = _snapshot(server)["totals"]["cancelled"]
+    body = {"model": "tiny", "prompt": "go", "max_tokens": 600, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=60, trust_env=False) as client, client.stream(
+        "POST", f"{server['url']}/v1/completions", json=body
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # leave after the first chunk
+    snap = _wait_idle(server)
+    assert snap["reserved_blocks"] == 0
+    assert snap["totals"]["cancelled"] == before + 1
+
+
+def test_metrics_carry_vllms_and_kvbudgets(server: dict[str, Any]) -> None:
+    import httpx
+
+    text = httpx.get(f"{server['url']}/metrics", timeout=10, trust_env=False).text
+    assert "vllm:num_preemptions_total" in text
+    assert "kvbudget_completed_total" in text and "kvbudget_engine_preemptions_total" in text
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
