@@ -13,6 +13,8 @@ blocks of 32 tokens, ``max_model_len`` 2048, 64 sequences):
 * ``vllm-cap<N>``: the same with vLLM's own load shedding ``--max-num-queued-reqs N`` (it answers
   HTTP 503 once waiting + running reach N), one per N in ``--vllm-queue-cap N[,N...]``;
 * ``kvbudget``: ``python examples/fastapi_server.py --kv-blocks 257 ... --policy P``.
+* ``kvbudget-serve``: ``kvbudget serve MODEL`` with the same engine flags as vLLM's server and
+  ``--kvbudget-policy P`` (vLLM's own OpenAI app with the budget inside).
 
 Each server runs every selected workload (``--workload``, in a fixed order: moderate, overload,
 shared-prefix, burst, abandon) ``--repeat`` times in one server process; between workloads the
@@ -298,8 +300,13 @@ class ServerSpec:
     """One server kind: its name, how it is started, which metrics it speaks."""
 
     name: str
-    kind: str  # "vllm" or "kvbudget"
+    kind: str  # "vllm", "kvbudget" (the FastAPI example) or "kvbudget-serve"
     queue_cap: int | None = None
+
+    @property
+    def budgeted(self) -> bool:
+        """Does the server carry a kvbudget budget (``/kvbudget/snapshot``)?"""
+        return self.kind in ("kvbudget", "kvbudget-serve")
 
     def argv(self, model_dir: Path, port: int, policy: str) -> list[str]:
         py = sys.executable
@@ -314,6 +321,14 @@ class ServerSpec:
             if self.queue_cap is not None:
                 cmd += ["--max-num-queued-reqs", str(self.queue_cap)]
             return cmd
+        if self.kind == "kvbudget-serve":
+            return [
+                py, "-m", "kvbudget.cli", "serve", str(model_dir), "--dtype", "float32",
+                "--enforce-eager", "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override",
+                str(KV_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs",
+                str(MAX_NUM_SEQS), "--port", str(port), "--served-model-name", SERVED_MODEL,
+                "--kvbudget-policy", policy, "--disable-uvicorn-access-log",
+            ]
         return [
             py, "examples/fastapi_server.py", "--model", str(model_dir),
             "--kv-blocks", str(KV_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN),
@@ -328,7 +343,8 @@ _CAP_NAME = re.compile(r"^vllm-cap(\d+)$")
 def parse_servers(servers: str | None, caps: str | None) -> list[ServerSpec]:
     """``--servers`` and ``--vllm-queue-cap`` -> the server kinds, in the order given.
 
-    Default: ``vllm``, one ``vllm-cap<N>`` per cap, ``kvbudget``. A ``vllm-cap<N>`` name in
+    Default: ``vllm``, one ``vllm-cap<N>`` per cap, ``kvbudget``, ``kvbudget-serve``. A
+    ``vllm-cap<N>`` name in
     ``--servers`` works without ``--vllm-queue-cap``.
     """
     cap_values = [int(c) for c in (caps or "").split(",") if c.strip()]
@@ -338,7 +354,7 @@ def parse_servers(servers: str | None, caps: str | None) -> list[ServerSpec]:
     names = (
         [s.strip() for s in servers.split(",") if s.strip()]
         if servers
-        else ["vllm", *(f"vllm-cap{c}" for c in cap_values), "kvbudget"]
+        else ["vllm", *(f"vllm-cap{c}" for c in cap_values), "kvbudget", "kvbudget-serve"]
     )
     specs: list[ServerSpec] = []
     for name in names:
@@ -346,13 +362,14 @@ def parse_servers(servers: str | None, caps: str | None) -> list[ServerSpec]:
             raise ValueError(f"server {name!r} given twice")
         if name == "vllm":
             specs.append(ServerSpec("vllm", "vllm"))
-        elif name == "kvbudget":
-            specs.append(ServerSpec("kvbudget", "kvbudget"))
+        elif name in ("kvbudget", "kvbudget-serve"):
+            specs.append(ServerSpec(name, name))
         elif m := _CAP_NAME.match(name):
             specs.append(ServerSpec(name, "vllm", int(m.group(1))))
         else:
             raise ValueError(
-                f"unknown server {name!r}: expected vllm, vllm-cap<N> or kvbudget"
+                f"unknown server {name!r}: expected vllm, vllm-cap<N>, kvbudget or "
+                "kvbudget-serve"
             )
     return specs
 
@@ -467,7 +484,7 @@ class ServerProcess:
         return parse_prometheus(body) if status == 200 else {}
 
     def snapshot(self) -> dict[str, Any] | None:
-        if self.spec.kind != "kvbudget":
+        if not self.spec.budgeted:
             return None
         try:
             status, body = http_get(f"{self.base}/kvbudget/snapshot")
@@ -500,7 +517,7 @@ class ServerProcess:
         running = m.get("vllm:num_requests_running", 0.0) + m.get("vllm:num_requests_waiting", 0.0)
         if running:
             return f"vllm running+waiting={running:g}"
-        if self.spec.kind == "kvbudget":
+        if self.spec.budgeted:
             snap = self.snapshot()
             if snap is None:
                 return "no /kvbudget/snapshot"
@@ -1304,8 +1321,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
                    help="tiny model directory (built if missing)")
     p.add_argument("--servers", default=None,
-                   help="comma-separated: vllm, vllm-cap<N>, kvbudget (default: vllm, the "
-                        "capped ones, kvbudget)")
+                   help="comma-separated: vllm, vllm-cap<N>, kvbudget, kvbudget-serve "
+                        "(default: vllm, the capped ones, kvbudget, kvbudget-serve)")
     p.add_argument("--vllm-queue-cap", default=None, metavar="N[,N...]",
                    help="also run vLLM with --max-num-queued-reqs N, per N")
     p.add_argument("--workload", action="append", choices=list(WORKLOADS), default=None,

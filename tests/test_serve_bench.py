@@ -136,7 +136,11 @@ def test_cross_check_matches_by_prompt_and_fails_mismatches() -> None:
 
 def test_parse_servers() -> None:
     names = [s.name for s in sb.parse_servers(None, "8,32")]
-    assert names == ["vllm", "vllm-cap8", "vllm-cap32", "kvbudget"]
+    assert names == ["vllm", "vllm-cap8", "vllm-cap32", "kvbudget", "kvbudget-serve"]
+    serve = sb.parse_servers("kvbudget-serve", None)[0]
+    assert serve.budgeted and serve.argv(pathlib.Path("/m"), 9002, "calibrated")[2:4] == [
+        "kvbudget.cli", "serve"
+    ]
     specs = sb.parse_servers("kvbudget,vllm-cap4", None)
     assert [(s.name, s.kind, s.queue_cap) for s in specs] == [
         ("kvbudget", "kvbudget", None), ("vllm-cap4", "vllm", 4)
