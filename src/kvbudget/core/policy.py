@@ -322,6 +322,11 @@ class CalibratedPolicy(BasePolicy):
         # long answers does, its extensions are real demand, and the headroom is kept for them.
         if self._outrun and req.cls.protected and not self._s.ledger.fits_admission(blocks):
             return False
+        if self.cheap_to_pause(req) and not self._s.ledger.fits_admission(blocks):
+            # the headroom is the next extension of every live stream granted the vLLM way: a
+            # head let into it would be the first paused when they grow (a re-prefill for
+            # nothing), so it waits for room beyond it
+            return False
         share = self.batch_prefill_share
         if share is not None and self._s.prefill_backlog:
             objective = self._objective_above.get(req.cls.name)
@@ -340,8 +345,12 @@ class CalibratedPolicy(BasePolicy):
         if req.boundary >= req.hard_max:
             return None
         if self.cheap_to_pause(req):
-            return min(req.hard_max - req.boundary, 2 * self.block_size)
+            return self._cheap_step(req)
         return self._extension(req, self._target(req))
+
+    def _cheap_step(self, req: Request) -> int:
+        """An extension of a request granted the vLLM way: two blocks (or what remains)."""
+        return max(1, min(req.hard_max - req.boundary, 2 * self.block_size))
 
     def _target(self, req: Request) -> int:
         """The length an extension of ``req`` aims to cover: its conditional quantile."""
@@ -426,6 +435,9 @@ class CalibratedPolicy(BasePolicy):
         outrun = False
         if req.boundary >= req.hard_max:
             demand = 0.0
+        elif self.cheap_to_pause(req):
+            # granted the vLLM way: it will want its next extension soon
+            demand = float(blocks_for(self._cheap_step(req), self.block_size))
         else:
             target = self._target(req)
             step = self._extension(req, target)

@@ -1007,7 +1007,7 @@ class Scheduler:
         preemption decided then has returned its blocks by the time the boundary comes, so
         ``req`` is never paused."""
         ahead = getattr(self.policy, "acts_ahead", None)
-        return bool(ahead(req)) if ahead is not None else False
+        return ahead is not None and req.boundary < req.hard_max and bool(ahead(req))
 
     def _try_extend(self, req: Request, actions: list[ev.Action]) -> bool:
         tokens = self.policy.extension_tokens(req)
@@ -1045,6 +1045,8 @@ class Scheduler:
         req.blocked_handled = False
         del self._waiting_ext[req.request_id]
         req.ask_at = max(req.boundary - self.policy.lookahead_tokens(req), req.generated + 1)
+        if req.boundary >= req.hard_max:
+            req.ask_at = req.hard_max + 1  # the grant covers the hard max: nothing more to ask
         self.policy.on_granted(req)
         req.stats.extensions += 1
         actions.append(ev.Extend(req.request_id, req.boundary, req.blocks))
