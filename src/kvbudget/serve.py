@@ -242,8 +242,6 @@ class BudgetedClient:
         engine_kwargs = {k: v for k, v in kwargs.items() if v is not None}
         if engine_kwargs.get("priority") == 0:
             del engine_kwargs["priority"]
-        if getattr(sampling_params, "n", 1) != 1:
-            raise InvalidInput("n", sampling_params.n, "1 (kvbudget serve: n > 1 not yet)")
         stream = self.budgeted.generate(
             prompt,
             sampling_params,

@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import math
 import time
+import weakref
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
@@ -445,7 +446,8 @@ class _RequestEngine:
         self.pauses = 0
         self.resubmits = 0
         self.dropped = 0
-        tok = getattr(self.vllm, "tokenizer", None)
+        self.tokenizer: Any = getattr(self.vllm, "tokenizer", None)
+        tok = self.tokenizer
         #: the adapter decodes every segment itself (not only resumed ones): the caller's
         #: prompt decodes to an unfinished character, which vLLM's detokenizer would answer
         #: with the prompt's own text (see _SeamText)
@@ -476,14 +478,12 @@ class _RequestEngine:
         sp = self.params.clone()
         sp.max_tokens = remaining
         sp.output_kind = RequestOutputKind.DELTA
-        if self.own_text and sp.logprobs is None:
-            sp.detokenize = False
+        if (self.own_text or not first) and sp.logprobs is None:
+            sp.detokenize = False  # the adapter decodes this segment itself (_SeamText)
         if not first:
             done = len(self.ids)
             sp.min_tokens = max(0, self.params.min_tokens - done)
             sp.prompt_logprobs = None  # the resumed prompt is not the caller's prompt
-            if sp.logprobs is None:
-                sp.detokenize = False  # the adapter decodes a resumed segment (_SeamText)
         return sp
 
     async def _submit(self, eid: str, k: int, max_tokens: int) -> _Segment:
@@ -495,12 +495,10 @@ class _RequestEngine:
         if k:
             self.resubmits += 1
             self.owner._count(self.request_id, resubmissions=1, reprefill_tokens=len(self.ids))
-        if base or self.own_text:
-            tok = getattr(self.vllm, "tokenizer", None)
-            if tok is not None:
-                seg.text = _SeamText(
-                    tok, self.ids, "".join(self.sent), self.params.skip_special_tokens
-                )
+        if (base or self.own_text) and self.tokenizer is not None:
+            seg.text = _SeamText(
+                self.tokenizer, self.ids, "".join(self.sent), self.params.skip_special_tokens
+            )
         kwargs = self.engine_kwargs
         if base or k or self.prompt is None or isinstance(self.prompt, str):
             prompt: Any = {"prompt_token_ids": self.prompt_ids + self.ids}
@@ -903,12 +901,8 @@ class BudgetedEngine:
         no admitted request waits for its first token (else it may hold a prefill)."""
         sched = self.budget.scheduler
         context = sched.active_context
-        if prefill_tokens is None:
-            if sched.prefill_backlog == 0:
-                self.budget.observe_step(batch, context, seconds)
-            return
-        if prefill_tokens == 0:
-            if batch:
+        if not prefill_tokens:  # (0: a decode step; EngineStats reports only busy ones)
+            if prefill_tokens == 0 or sched.prefill_backlog == 0:
                 self.budget.observe_step(batch, context, seconds)
             return
         decode = sched.cost.predict_decode(batch, context)
@@ -1082,8 +1076,17 @@ class BudgetedEngine:
             on_exhausted, sink, engine_kwargs,
         )
         if arrive_now:
-            return self._stream(self._prepare(*args, arrive_now=True))
+            prepared = self._prepare(*args, arrive_now=True)
+            stream = self._stream(prepared)
+            # dropped unstarted, the stream never runs its cleanup (the budget gives the
+            # lease up the same way: Budget.generate)
+            weakref.finalize(stream, self._forget_unstarted, prepared.reng)
+            return stream
         return self._generate_lazily(args)
+
+    def _forget_unstarted(self, reng: _RequestEngine) -> None:
+        if self._requests.get(reng.request_id) is reng:
+            del self._requests[reng.request_id]
 
     async def _generate_lazily(self, args: tuple[Any, ...]) -> AsyncGenerator[Any, None]:
         async with contextlib.aclosing(self._stream(self._prepare(*args))) as stream:

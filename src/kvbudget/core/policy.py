@@ -279,17 +279,11 @@ class CalibratedPolicy(BasePolicy):
 
     def _newer(self, req: Request) -> list[Request]:
         """Live requests admitted after ``req`` that may be paused, newest first."""
-        from kvbudget.core.ledger import State
-
-        live = (State.ADMITTED, State.RUNNING, State.EXTENDING)
         return sorted(
             (
                 r
                 for r in self._s.live.values()
-                if r.seq > req.seq
-                and r.state in live
-                and r.spec.resumable
-                and r.generated < r.hard_max
+                if r.seq > req.seq and r.spec.resumable and r.generated < r.hard_max
             ),
             key=lambda r: -r.seq,
         )

@@ -1266,8 +1266,8 @@ class Scheduler:
 
     def _ensure_progress(self, now: float, actions: list[ev.Action]) -> None:
         """If every live request waits at its boundary and nothing will free blocks: grow the
-        most important one from whatever is free (the pool rules are forecasts; nobody can use
-        the blocks otherwise), else checkpoint the least important so the rest can move. Only a
+        most important one from whatever is free (beyond the protected part, for batch work),
+        else checkpoint the least important so the rest can move. Only a
         request alone with every block and still short (it needs more KV than the engine has)
         ends, explicitly."""
         if self._stopping:
@@ -1282,8 +1282,8 @@ class Scheduler:
         if not stuck:
             return
         head = stuck[0]
-        if self._extend_from_free(head, actions):
-            return
+        if self._try_extend(head, actions):
+            return  # (the pool rules of _try_extend already let it take all but protected)
         # the least important, most recently admitted one that can resume gives way
         victims = [r for r in stuck[1:] if r.spec.resumable or r.spec.on_exhausted == "continue"]
         if victims:
@@ -1304,23 +1304,6 @@ class Scheduler:
         head.stats.failed += 1
         head.stats.wasted_tokens += head.generated
         actions.append(ev.Abort(head.request_id, "capacity-exhausted"))
-
-    def _extend_from_free(self, req: Request, actions: list[ev.Action]) -> bool:
-        """Extend ``req`` into whatever is free, the headroom target included (used only when
-        every live request waits at its boundary: nobody else can take those blocks). The
-        protected part stays protected: batch work never takes it (invariant 5)."""
-        free = self.ledger.free - (0 if req.cls.protected else self.ledger.protected_blocks)
-        if free < 1:
-            return False
-        want = self.policy.extension_tokens(req)
-        if want is None:
-            return False  # the policy never grows this grant
-        boundary = min(req.hard_max, req.boundary + max(1, want))
-        boundary = min(boundary, self.ledger.covered_boundary(req, req.blocks + free))
-        if boundary <= req.boundary:
-            return False
-        self._extend_to(req, boundary, actions)
-        return True
 
     # == reporting =================================================================================
 
