@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvbudget.core.model import Checkpoint, Continuation
+    from kvbudget.core.resume import Checkpoint, Continuation
 
 
 class KvBudgetError(Exception):

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import attrs
 
+from kvbudget.core.resume import Checkpoint as Checkpoint
+from kvbudget.core.resume import Continuation as Continuation
 from kvbudget.errors import InvalidInput, UnknownClass
 
 OnExhausted = Literal["extend", "continue"]
@@ -290,31 +292,3 @@ class RequestSpec:
             sampling=self.sampling,
             stops=self.stops,
         )
-
-
-@attrs.frozen(slots=True)
-class Checkpoint:
-    """What a preempted request keeps: it resumes by re-prefilling prompt + generated tokens."""
-
-    request_id: str
-    prompt_tokens: int
-    generated_tokens: int
-
-    @property
-    def recompute_tokens(self) -> int:
-        return self.prompt_tokens + self.generated_tokens
-
-
-@attrs.frozen(slots=True)
-class Continuation:
-    """The explicit end of a request that may not wait for its grant to grow.
-
-    The application resumes it with a new request whose prompt is the old prompt plus the
-    ``generated_tokens`` already produced, asking for at most ``remaining_tokens`` more.
-    """
-
-    request_id: str
-    continuation_id: str
-    prompt_tokens: int
-    generated_tokens: int
-    remaining_tokens: int

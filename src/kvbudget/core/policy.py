@@ -373,7 +373,7 @@ class CalibratedPolicy(BasePolicy):
             if req.spec.on_exhausted == "continue":
                 return Blocked.CONTINUE if req.state is State.EXTENDING else Blocked.WAIT
             s = self._s
-            room = s.capacity.blocks - (0 if req.cls.protected else s.ledger.protected_blocks)
+            room = s.ledger.room(req.cls.protected)
             if req.state is State.EXTENDING and s.ledger.grant_blocks(req, req.hard_max) <= room:
                 return Blocked.PREEMPT_SELF  # it resumes once there is room (it fits alone)
             return Blocked.WAIT  # (asked ahead: decide at the boundary; too large: progress)
@@ -619,16 +619,16 @@ class PastFuturePolicy(ReserveCurrentPolicy):
         return ok
 
     def _fits_future(self, req: Request) -> bool:
-        from kvbudget.core.ledger import State
+        from kvbudget.core.lifecycle import STOPPING_STATES
 
         live = list(self._s.live.values())
         live.append(req)
         n = len(live)
         k = min(5, self.window.maxlen // n + 1 if self.window.maxlen else 1)
         limit = self.threshold * self._s.capacity.tokens
-        stopped = (State.RELEASING, State.PREEMPTING)
         held_elsewhere = (
-            sum(r.blocks for r in self._s.requests.values() if r.state in stopped) * self.block_size
+            sum(r.blocks for r in self._s.requests.values() if r.state in STOPPING_STATES)
+            * self.block_size
         )
         for _ in range(k):
             futures = sorted(

@@ -35,9 +35,20 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kvbudget.core import events as ev
+from kvbudget.core import lifecycle
 from kvbudget.core.cost import CostModel
-from kvbudget.core.ledger import HOLDING_STATES, Ledger, Outcome, Request, State, Trigger
+from kvbudget.core.ledger import Ledger
 from kvbudget.core.lengths import LengthModel
+from kvbudget.core.lifecycle import (
+    HOLDING_STATES,
+    LIVE_STATES,
+    QUEUED_STATES,
+    STOPPING_STATES,
+    Outcome,
+    Request,
+    State,
+    Trigger,
+)
 from kvbudget.core.model import (
     Capacity,
     Continuation,
@@ -63,7 +74,7 @@ if TYPE_CHECKING:
     from kvbudget.core.policy import Policy
 
 _NOTHING: tuple[ev.Action, ...] = ()
-_LIVE = (State.ADMITTED, State.RUNNING, State.EXTENDING)
+_LIVE = LIVE_STATES
 # turn_away_late_first_tokens=None engages while more than this share of recent first tokens
 # (an exponential average with this weight per first token, ~100 of them) missed the objective
 _LATE_SHARE_ON = 0.05
@@ -379,9 +390,7 @@ class Scheduler:
         stats.arrived += 1
         if cls.ttft_slo_s is not None:
             self._ft_prompts.add(spec.prompt_tokens, now)
-        if req.want_blocks > self.capacity.blocks - self.ledger.protected_blocks * (
-            not cls.protected
-        ):
+        if req.want_blocks > self.ledger.room(cls.protected):
             return [self._reject_new(req, self.config.max_retry_after_s, "too-large")]
         queue = self._queues[cls.name]
         wait = self._estimated_wait(req)
@@ -566,9 +575,8 @@ class Scheduler:
         c.dropped_tokens += dropped_tokens
 
     def _reject_new(self, req: Request, wait: float, reason: str) -> ev.Reject:
-        req.state = State.REJECTED
-        req.outcome = Outcome.REJECTED
-        req.stats.rejected += 1
+        lifecycle.transition(req, Trigger.REJECT)
+        lifecycle.settle(req, Outcome.REJECTED)
         self._count_rejection(reason)
         self._remember(req.request_id)
         retry = min(max(wait, self.config.min_retry_after_s), self.config.max_retry_after_s)
@@ -596,7 +604,7 @@ class Scheduler:
         if state is _RUNNING:
             pass
         elif state is _ADMITTED:
-            req.state = _RUNNING
+            lifecycle.first_token(req)
             req.first_token_at = now
             if req.prefill_pending:
                 self._prefill_done(req)
@@ -606,14 +614,13 @@ class Scheduler:
                 late = 1.0 if now - req.arrival > ttft else 0.0
                 self.late_first_token_share += _LATE_ALPHA * (late - self.late_first_token_share)
         elif state is _RELEASING or state is _PREEMPTING:
-            req.wasted += tokens
-            req.stats.wasted_tokens += tokens
+            req.stats.wasted_tokens += tokens  # produced after the stop: nobody receives them
             ledger.charge(req, tokens)
             return _NOTHING
         elif state is _EXTENDING:
             pass
         else:
-            ledger.check_transition(req, Trigger.TOKENS)
+            lifecycle.check_transition(req, Trigger.TOKENS)
         last = req.last_token_at
         if last is not None and now - last > req.floor:
             req.stats.stalls += 1
@@ -652,7 +659,7 @@ class Scheduler:
         req = self.get(request_id)
         now = self._time(now)
         if req.state not in _LIVE:
-            self.ledger.check_transition(req, Trigger.BLOCK)
+            lifecycle.check_transition(req, Trigger.BLOCK)
         if req.generated < req.boundary:
             raise InvalidInput(
                 "boundary_reached",
@@ -665,7 +672,7 @@ class Scheduler:
 
     def _blocked(self, req: Request, now: float) -> list[ev.Action]:
         if req.state is not State.EXTENDING:
-            self.ledger.transition(req, Trigger.BLOCK)
+            lifecycle.transition(req, Trigger.BLOCK)
             req.blocked_handled = False
         if not req.ext_pending:
             self._want_extension(req)
@@ -686,16 +693,15 @@ class Scheduler:
                 reason,
                 f"'length' only at the hard max ({req.hard_max}); request has {req.generated}",
             )
-        if req.state in (State.RELEASING,):
-            self.ledger.transition(req, Trigger.FINISH)
+        if req.state is State.RELEASING:
+            lifecycle.transition(req, Trigger.FINISH)
             return []
         was_preempting = req.state is State.PREEMPTING
         self._stop(req, Trigger.FINISH, now)
-        req.outcome = Outcome.COMPLETED
+        lifecycle.settle(req, Outcome.COMPLETED)
         if was_preempting:
-            req.resume = None
-        censored = False
-        self.lengths.observe(req.key, req.generated, censored=censored)
+            req.resume = None  # it finished before its preemption landed: nothing to resume
+        self.lengths.observe(req.key, req.generated, censored=False)
         if req.preemptions == 0 and req.allowance > 0:
             self.lengths.record_outcome(
                 req.key, req.allowance, req.generated, req.cls.initial_quantile
@@ -710,23 +716,18 @@ class Scheduler:
         """
         req = self.get(request_id)
         now = self._time(now)
-        if req.state in (State.QUEUED, State.CHECKPOINTED):
+        if req.state in QUEUED_STATES:
             self._dequeue(req)
-            if req.state is State.CHECKPOINTED:
-                req.stats.wasted_tokens += req.generated
-            self.ledger.transition(req, Trigger.CANCEL)
-            req.outcome = Outcome.CANCELLED
-            req.stats.cancelled += 1
+            lifecycle.transition(req, Trigger.CANCEL)
+            lifecycle.settle(req, Outcome.CANCELLED)  # (a checkpoint's tokens are wasted)
             self._forget(req)
             return self._pump(now)
         if req.state is State.RELEASING:
             return []
-        self.ledger.check_transition(req, Trigger.CANCEL)
+        lifecycle.check_transition(req, Trigger.CANCEL)
         was_live = req.state in _LIVE
         self._stop(req, Trigger.CANCEL, now)
-        req.outcome = Outcome.CANCELLED
-        req.stats.cancelled += 1
-        req.stats.wasted_tokens += req.generated
+        lifecycle.settle(req, Outcome.CANCELLED)
         if req.generated > 0:
             self.lengths.observe(req.key, req.generated, censored=True)
         actions: list[ev.Action] = []
@@ -739,20 +740,16 @@ class Scheduler:
         """The engine failed the request. Blocks stay charged until it confirms."""
         req = self.get(request_id)
         now = self._time(now)
-        if req.state in (State.QUEUED, State.CHECKPOINTED):
+        if req.state in QUEUED_STATES:
             self._dequeue(req)
-            self.ledger.transition(req, Trigger.FAIL)
-            req.outcome = Outcome.FAILED
-            req.stats.failed += 1
-            req.stats.wasted_tokens += req.generated  # a checkpoint's tokens are lost
+            lifecycle.transition(req, Trigger.FAIL)
+            lifecycle.settle(req, Outcome.FAILED)  # (a checkpoint's tokens are lost)
             self._forget(req)
             return self._pump(now)
         if req.state is State.RELEASING:
             return []
         self._stop(req, Trigger.FAIL, now)
-        req.outcome = Outcome.FAILED
-        req.stats.failed += 1
-        req.stats.wasted_tokens += req.generated
+        lifecycle.settle(req, Outcome.FAILED)
         return self._pump(now)
 
     def _stop(self, req: Request, trigger: Trigger, now: float) -> None:
@@ -813,14 +810,12 @@ class Scheduler:
         if preempting:
             self.preempting -= 1
         self._releases.add(freed, now)
-        if preempting:
-            req.state = State.CHECKPOINTED
+        if preempting:  # (the confirmation moved it to checkpointed)
             req.resume = req.checkpoint()
             req.requeue_front = self.policy.requeue_front
             req.want_blocks = self._want_blocks(req)
             actions.append(ev.Released(req.request_id, freed, "preempted", resumable=True))
-            room = self.capacity.blocks - (0 if req.cls.protected else self.ledger.protected_blocks)
-            if req.want_blocks > room:
+            if req.want_blocks > self.ledger.room(req.cls.protected):
                 # it grew past what the cache can ever hold again: it cannot resume, and queued
                 # it would block its class until its deadline. End it explicitly.
                 actions.append(self._expire(req, self.config.max_retry_after_s, "too-large"))
@@ -831,11 +826,7 @@ class Scheduler:
                 )
                 self._note_queued(req)
         else:
-            if req.outcome is Outcome.COMPLETED:
-                req.stats.completed += 1
-            elif req.outcome is Outcome.CONTINUED:
-                req.stats.continued += 1
-            outcome = req.outcome.value if req.outcome is not None else "released"
+            outcome = lifecycle.count_release(req)
             actions.append(ev.Released(req.request_id, freed, outcome))
             self._forget(req)
         actions.extend(self._pump(now))
@@ -847,9 +838,8 @@ class Scheduler:
         self._dequeue(req)
         if req.state is State.CHECKPOINTED:
             return self._expire(req, self.config.min_retry_after_s, "deadline")
-        self.ledger.transition(req, Trigger.REJECT)
-        req.outcome = Outcome.REJECTED
-        req.stats.rejected += 1
+        lifecycle.transition(req, Trigger.REJECT)
+        lifecycle.settle(req, Outcome.REJECTED)
         self._count_rejection(reason)
         self.requests.pop(req.request_id, None)
         self._remember(req.request_id)
@@ -857,10 +847,8 @@ class Scheduler:
 
     def _expire(self, req: Request, retry_after: float, reason: str) -> ev.Reject:
         """A checkpointed request that can no longer resume ends explicitly, as failed."""
-        self.ledger.transition(req, Trigger.EXPIRE)
-        req.outcome = Outcome.FAILED
-        req.stats.failed += 1
-        req.stats.wasted_tokens += req.generated
+        lifecycle.transition(req, Trigger.EXPIRE)
+        lifecycle.settle(req, Outcome.FAILED)
         self._forget(req)
         return ev.Reject(req.request_id, retry_after, reason)
 
@@ -919,7 +907,7 @@ class Scheduler:
         timeout = self.config.confirm_timeout_s
         for req in list(self._stopping.values()):
             if (
-                req.state in (State.RELEASING, State.PREEMPTING)
+                req.state in STOPPING_STATES
                 and not req.unconfirmed
                 and req.release_started_at is not None
                 and now - req.release_started_at > timeout
@@ -943,7 +931,7 @@ class Scheduler:
         for req in self.requests.values():
             if req.state in _LIVE:
                 running_used += req.used_blocks
-            elif req.state in (State.RELEASING, State.PREEMPTING):
+            elif req.state in STOPPING_STATES:
                 stopped.append(req)
         drift = engine_used_blocks - running_used - sum(r.used_blocks for r in stopped)
         self.drift = drift
@@ -1025,8 +1013,7 @@ class Scheduler:
         extra = self.ledger.grant_blocks(req, boundary) - req.blocks
         if not self.ledger.fits_extension(extra, req.cls.protected):
             # bounded increments: take what the pool allows now, the rest later
-            floor = 0 if req.cls.protected else self.ledger.protected_blocks
-            extra = self.ledger.free - floor
+            extra = self.ledger.spare(req.cls.protected)
             if extra < 1:
                 return False
             boundary = min(boundary, self.ledger.covered_boundary(req, req.blocks + extra))
@@ -1073,9 +1060,8 @@ class Scheduler:
         if decision is Blocked.PREEMPT_OTHERS:
             want = self.policy.extension_tokens(req) or 1
             boundary = min(req.hard_max, req.boundary + want)
-            floor = 0 if req.cls.protected else self.ledger.protected_blocks
             need = self.ledger.grant_blocks(req, boundary) - req.blocks
-            need = max(1, need - (self.ledger.free - floor))
+            need = max(1, need - self.ledger.spare(req.cls.protected))
             # a request at its hard max is finishing; its checkpoint could never resume; one the
             # engine cannot resume exactly is never preempted
             candidates = [
@@ -1108,7 +1094,7 @@ class Scheduler:
 
     def _continue(self, req: Request, now: float, actions: list[ev.Action]) -> None:
         self._stop(req, Trigger.CONTINUE, now)
-        req.outcome = Outcome.CONTINUED
+        lifecycle.settle(req, Outcome.CONTINUED)
         req.continuation_seq += 1
         cont = Continuation(
             request_id=req.request_id,
@@ -1300,9 +1286,7 @@ class Scheduler:
         # still short: the request needs more KV than the engine has. End it explicitly rather
         # than cut it silently.
         self._stop(head, Trigger.FAIL, now)
-        head.outcome = Outcome.FAILED
-        head.stats.failed += 1
-        head.stats.wasted_tokens += head.generated
+        lifecycle.settle(head, Outcome.FAILED)
         actions.append(ev.Abort(head.request_id, "capacity-exhausted"))
 
     # == reporting =================================================================================
@@ -1324,7 +1308,7 @@ class Scheduler:
         assert set(self._stopping) == {
             r.request_id
             for r in self.requests.values()
-            if r.state in (State.RELEASING, State.PREEMPTING)
+            if r.state in STOPPING_STATES
         }
 
 

@@ -1,0 +1,331 @@
+"""The request lifecycle: states, triggers, outcomes, the transition table and its effects.
+
+Everything that affects a request's state lives here, and this module is the only writer of
+``Request.state`` and ``Request.outcome``:
+
+* :data:`TRANSITIONS` maps (state, trigger) to the next state; a trigger a state does not accept
+  raises :class:`~kvbudget.errors.InvalidTransition` (or
+  :class:`~kvbudget.errors.AlreadyReleased` once the request is over) before anything changes;
+* :data:`OUTCOME_EFFECTS` says, beside it, what each way of ending books: which counter, when
+  (at the stop, or when the engine confirms the release), and whether the tokens the request
+  generated count as wasted;
+* the state sets (:data:`LIVE_STATES`, :data:`STOPPING_STATES`, :data:`HOLDING_STATES`, ...) are
+  declared once, here;
+* :class:`Request` is the core's mutable record of one request.
+
+The ledger books blocks against these states; the scheduler decides which trigger to fire.
+``docs/architecture.md`` renders :data:`TRANSITIONS` with :func:`transition_table_markdown`
+(a test checks the two agree).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+import attrs
+
+from kvbudget.core.resume import Checkpoint
+from kvbudget.errors import AlreadyReleased, InvalidTransition
+
+if TYPE_CHECKING:
+    from kvbudget.core.model import CalibrationKey, RequestSpec, ServiceClass
+    from kvbudget.core.stats import Counters
+
+
+class State(enum.Enum):
+    QUEUED = "queued"  # waiting for admission, holds nothing
+    ADMITTED = "admitted"  # grant made, no token yet
+    RUNNING = "running"  # generating inside its grant
+    EXTENDING = "extending"  # at its boundary, waiting for the grant to grow
+    PREEMPTING = "preempting"  # stopped with a checkpoint, blocks held until the engine confirms
+    CHECKPOINTED = "checkpointed"  # preempted and confirmed: queued again to resume, holds nothing
+    RELEASING = "releasing"  # stopped for good, blocks held until the engine confirms
+    RELEASED = "released"  # terminal: blocks returned (or never held)
+    REJECTED = "rejected"  # terminal: turned away before admission, never held blocks
+
+
+class Outcome(enum.Enum):
+    COMPLETED = "completed"  # stopped by itself or at its hard max
+    CANCELLED = "cancelled"
+    CONTINUED = "continued"  # ended with an explicit continuation
+    FAILED = "failed"
+    REJECTED = "rejected"
+
+
+class Trigger(enum.Enum):
+    ADMIT = "admit"
+    REJECT = "reject"
+    TOKENS = "tokens"
+    BLOCK = "block"  # reached the boundary without an extension
+    EXTEND = "extend"
+    FINISH = "finish"
+    CANCEL = "cancel"
+    FAIL = "fail"
+    CONTINUE = "continue"
+    PREEMPT = "preempt"
+    CONFIRM = "confirm"
+    EXPIRE = "expire"  # a checkpointed request missed its deadline while queued
+
+
+S, T = State, Trigger
+
+# -- the state sets (tuples where the per-token path tests membership: identity comparisons
+# -- are faster there than hashing an enum) -----------------------------------------------------
+
+#: holding a grant the engine is working on (admitted, running, extending)
+LIVE_STATES: tuple[State, ...] = (S.ADMITTED, S.RUNNING, S.EXTENDING)
+#: stopped in the engine, blocks held until it confirms
+STOPPING_STATES: tuple[State, ...] = (S.RELEASING, S.PREEMPTING)
+#: waiting in a queue for admission (a caller, or a checkpoint waiting to resume)
+QUEUED_STATES: tuple[State, ...] = (S.QUEUED, S.CHECKPOINTED)
+#: charged blocks in the ledger
+HOLDING_STATES: frozenset[State] = frozenset(LIVE_STATES + STOPPING_STATES)
+#: over: nothing more may happen to the request
+TERMINAL_STATES: frozenset[State] = frozenset({S.RELEASED, S.REJECTED})
+
+#: (state, trigger) -> next state. Anything absent is an invalid transition.
+TRANSITIONS: dict[tuple[State, Trigger], State] = {
+    (S.QUEUED, T.ADMIT): S.ADMITTED,
+    (S.QUEUED, T.REJECT): S.REJECTED,
+    (S.QUEUED, T.CANCEL): S.RELEASED,
+    (S.CHECKPOINTED, T.ADMIT): S.ADMITTED,
+    (S.CHECKPOINTED, T.CANCEL): S.RELEASED,
+    (S.CHECKPOINTED, T.EXPIRE): S.RELEASED,
+    (S.QUEUED, T.FAIL): S.RELEASED,  # failed before it held anything
+    (S.CHECKPOINTED, T.FAIL): S.RELEASED,
+    (S.ADMITTED, T.TOKENS): S.RUNNING,
+    (S.RUNNING, T.TOKENS): S.RUNNING,
+    (S.EXTENDING, T.TOKENS): S.EXTENDING,  # tokens inside the reserved slack
+    (S.RUNNING, T.BLOCK): S.EXTENDING,
+    (S.ADMITTED, T.BLOCK): S.EXTENDING,
+    (S.EXTENDING, T.BLOCK): S.EXTENDING,
+    (S.ADMITTED, T.EXTEND): S.ADMITTED,
+    (S.RUNNING, T.EXTEND): S.RUNNING,
+    (S.EXTENDING, T.EXTEND): S.RUNNING,
+    (S.PREEMPTING, T.CONFIRM): S.CHECKPOINTED,
+    (S.RELEASING, T.CONFIRM): S.RELEASED,
+    # a request that already stopped ignores late engine news about the same stop
+    (S.RELEASING, T.TOKENS): S.RELEASING,
+    (S.RELEASING, T.FINISH): S.RELEASING,
+    (S.RELEASING, T.CANCEL): S.RELEASING,
+    (S.RELEASING, T.FAIL): S.RELEASING,
+    (S.PREEMPTING, T.TOKENS): S.PREEMPTING,
+    (S.PREEMPTING, T.FINISH): S.RELEASING,  # it finished by itself before the preemption landed
+    (S.PREEMPTING, T.CANCEL): S.RELEASING,
+    (S.PREEMPTING, T.FAIL): S.RELEASING,
+}
+for _live in LIVE_STATES:
+    for _trigger in (T.FINISH, T.CANCEL, T.FAIL, T.CONTINUE):
+        TRANSITIONS[(_live, _trigger)] = S.RELEASING
+    TRANSITIONS[(_live, T.PREEMPT)] = S.PREEMPTING
+del _live, _trigger
+
+
+@attrs.frozen(slots=True)
+class OutcomeEffect:
+    """What ending a request one way books in its counters."""
+
+    #: the :class:`~kvbudget.core.stats.Counters` field it adds one to
+    counter: str
+    #: counted when the engine confirms the release (the request delivered what it produced),
+    #: rather than at the stop
+    at_release: bool
+    #: the tokens it generated are counted in ``wasted_tokens`` (nobody receives them)
+    wastes_output: bool
+
+
+#: each outcome's bookkeeping; :func:`settle` and :func:`count_release` apply it
+OUTCOME_EFFECTS: dict[Outcome, OutcomeEffect] = {
+    Outcome.COMPLETED: OutcomeEffect("completed", at_release=True, wastes_output=False),
+    Outcome.CONTINUED: OutcomeEffect("continued", at_release=True, wastes_output=False),
+    Outcome.CANCELLED: OutcomeEffect("cancelled", at_release=False, wastes_output=True),
+    Outcome.FAILED: OutcomeEffect("failed", at_release=False, wastes_output=True),
+    Outcome.REJECTED: OutcomeEffect("rejected", at_release=False, wastes_output=False),
+}
+
+
+class Request:
+    """The core's record of one request. Mutable, slotted: it is touched on every token.
+
+    ``state`` and ``outcome`` are written only by this module's functions.
+    """
+
+    __slots__ = (
+        "admitted_at",
+        "allowance",
+        "arrival",
+        "ask_at",
+        "blocked_handled",
+        "blocks",
+        "boundary",
+        "cls",
+        "continuation_seq",
+        "deadline_at",
+        "expiry",
+        "ext_pending",
+        "first_token_at",
+        "floor",
+        "generated",
+        "hard_max",
+        "key",
+        "last_token_at",
+        "outcome",
+        "preemptions",
+        "prefill_ahead",
+        "prefill_pending",
+        "prompt",
+        "release_started_at",
+        "request_id",
+        "requeue_front",
+        "resume",
+        "seq",
+        "spec",
+        "state",
+        "stats",
+        "unconfirmed",
+        "used_blocks",
+        "want_blocks",
+    )
+
+    def __init__(
+        self, request_id: str, spec: RequestSpec, cls: ServiceClass, now: float, stats: Counters
+    ) -> None:
+        self.request_id = request_id
+        self.spec = spec
+        self.cls = cls
+        self.key: CalibrationKey = spec.calibration_key
+        self.prompt = spec.prompt_tokens
+        self.hard_max = spec.hard_max
+        self.generated = 0
+        self.boundary = 0
+        self.blocks = 0
+        self.used_blocks = 0
+        self.want_blocks = 0
+        self.state = State.QUEUED
+        self.outcome: Outcome | None = None
+        self.arrival = now
+        deadline = spec.deadline if spec.deadline is not None else cls.default_deadline_s
+        self.deadline_at: float | None = None if deadline is None else now + deadline
+        self.seq = 0
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        #: when the current grant was admitted; the prefill tokens queued in the engine ahead of
+        #: its first token then (its own included); its own prefill still pending (0 once its
+        #: first token came or it left)
+        self.admitted_at = now
+        self.prefill_ahead = 0
+        self.prefill_pending = 0
+        self.ask_at = 0
+        self.ext_pending = False
+        self.blocked_handled = False
+        self.allowance = 0
+        self.preemptions = 0
+        self.resume: Checkpoint | None = None
+        self.requeue_front = False
+        self.release_started_at: float | None = None
+        self.unconfirmed = False
+        self.expiry = float("inf")  # when it is turned away if still queued (the scheduler's)
+        self.floor = cls.latency_floor_s if cls.latency_floor_s is not None else float("inf")
+        self.continuation_seq = 0
+        self.stats = stats
+
+    @property
+    def remaining(self) -> int:
+        """Output tokens still allowed under the hard max."""
+        return self.hard_max - self.generated
+
+    @property
+    def context_tokens(self) -> int:
+        return self.prompt + self.generated
+
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(self.request_id, self.prompt, self.generated)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.state.value}, gen={self.generated}, "
+            f"boundary={self.boundary}, hard_max={self.hard_max}, blocks={self.blocks})"
+        )
+
+
+def _refuse(req: Request, trigger: Trigger) -> Exception:
+    if req.state in TERMINAL_STATES:
+        return AlreadyReleased(req.request_id, trigger.value)
+    return InvalidTransition(req.request_id, req.state.value, trigger.value)
+
+
+def check_transition(req: Request, trigger: Trigger) -> None:
+    """Raise if ``req`` does not accept ``trigger`` in its current state."""
+    if (req.state, trigger) not in TRANSITIONS:
+        raise _refuse(req, trigger)
+
+
+def transition(req: Request, trigger: Trigger) -> State:
+    """Move ``req`` along the table (raising first when the table has no such row)."""
+    try:
+        nxt = TRANSITIONS[(req.state, trigger)]
+    except KeyError:
+        raise _refuse(req, trigger) from None
+    req.state = nxt
+    return nxt
+
+
+def first_token(req: Request) -> None:
+    """The (admitted, tokens) -> running row, for the per-token path (no table look-up)."""
+    req.state = State.RUNNING
+
+
+def settle(req: Request, outcome: Outcome) -> None:
+    """``req`` ends as ``outcome``: record it, count it now unless it counts at the release,
+    and count its generated tokens as wasted if nobody receives them."""
+    req.outcome = outcome
+    effect = OUTCOME_EFFECTS[outcome]
+    stats = req.stats
+    if not effect.at_release:
+        setattr(stats, effect.counter, getattr(stats, effect.counter) + 1)
+    if effect.wastes_output:
+        stats.wasted_tokens += req.generated
+
+
+def count_release(req: Request) -> str:
+    """The engine confirmed ``req``'s release for good: count the outcomes counted then.
+    Returns the outcome's name (``"released"`` when it had none)."""
+    outcome = req.outcome
+    if outcome is None:
+        return "released"
+    effect = OUTCOME_EFFECTS[outcome]
+    if effect.at_release:
+        stats = req.stats
+        setattr(stats, effect.counter, getattr(stats, effect.counter) + 1)
+    return outcome.value
+
+
+def transition_table_markdown() -> str:
+    """:data:`TRANSITIONS` as a Markdown table (rows in table order), for the docs."""
+    lines = ["| from | trigger | to |", "| --- | --- | --- |"]
+    for (state, trigger), nxt in TRANSITIONS.items():
+        lines.append(f"| {state.value} | {trigger.value} | {nxt.value} |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = [
+    "HOLDING_STATES",
+    "LIVE_STATES",
+    "OUTCOME_EFFECTS",
+    "QUEUED_STATES",
+    "STOPPING_STATES",
+    "TERMINAL_STATES",
+    "TRANSITIONS",
+    "Outcome",
+    "OutcomeEffect",
+    "Request",
+    "State",
+    "Trigger",
+    "check_transition",
+    "count_release",
+    "first_token",
+    "settle",
+    "transition",
+    "transition_table_markdown",
+]
