@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvbudget.core.ledger import TRANSITIONS, Ledger, Request, State, Trigger
 from kvbudget.core.model import BATCH, Capacity, RequestSpec, blocks_for
 from kvbudget.core.policy import POLICY_NAMES
-from kvbudget.core.scheduler import _ClassQueue
+from kvbudget.core.queue import ClassQueue as _ClassQueue
 from kvbudget.core.stats import Counters
 from kvbudget.errors import AlreadyReleased, InvalidInput, InvalidTransition
 from kvbudget.testing import BudgetStateMachine, capacities, request_specs, workloads

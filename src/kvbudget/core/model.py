@@ -7,97 +7,20 @@ accepted range before it can reach the ledger.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
 
 from kvbudget.core.resume import Checkpoint as Checkpoint
 from kvbudget.core.resume import Continuation as Continuation
 from kvbudget.errors import InvalidInput, UnknownClass
+from kvbudget.validate import boolean, integer, one_of, optional, quantile, seconds, text
+from kvbudget.validate import check_float as check_float
+from kvbudget.validate import check_int as check_int
 
 OnExhausted = Literal["extend", "continue"]
 StopReason = Literal["stop", "length"]
-
-
-def check_int(field: str, value: Any, *, minimum: int = 0, maximum: int | None = None) -> int:
-    """Return ``value`` if it is an int in ``[minimum, maximum]``, else raise InvalidInput."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidInput(field, value, f"an integer >= {minimum}")
-    if value < minimum or (maximum is not None and value > maximum):
-        rng = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise InvalidInput(field, value, f"an integer {rng}")
-    return value
-
-
-def check_float(
-    field: str,
-    value: Any,
-    *,
-    minimum: float = 0.0,
-    maximum: float | None = None,
-    open_min: bool = False,
-    open_max: bool = False,
-) -> float:
-    """Return ``value`` as float if finite and in range, else raise InvalidInput."""
-    lo = "(" if open_min else "["
-    hi = ")" if open_max else "]"
-    rng = f"in {lo}{minimum}, {'inf' if maximum is None else maximum}{hi}"
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidInput(field, value, f"a finite number {rng}")
-    v = float(value)
-    if not math.isfinite(v):
-        raise InvalidInput(field, value, f"a finite number {rng}")
-    if v < minimum or (open_min and v == minimum):
-        raise InvalidInput(field, value, f"a number {rng}")
-    if maximum is not None and (v > maximum or (open_max and v == maximum)):
-        raise InvalidInput(field, value, f"a number {rng}")
-    return v
-
-
-def _positive_int(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        check_int(field, value, minimum=1)
-
-    return validate
-
-
-def _nonneg_int(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        check_int(field, value, minimum=0)
-
-    return validate
-
-
-def _quantile(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        check_float(field, value, minimum=0.0, maximum=1.0, open_min=True, open_max=True)
-
-    return validate
-
-
-def _fraction(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        check_float(field, value, minimum=0.0, maximum=1.0)
-
-    return validate
-
-
-def _optional_seconds(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        if value is not None:
-            check_float(field, value, minimum=0.0, open_min=True)
-
-    return validate
-
-
-def _name(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        if not isinstance(value, str) or not value:
-            raise InvalidInput(field, value, "a non-empty string")
-
-    return validate
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -109,8 +32,8 @@ def blocks_for(tokens: int, block_size: int) -> int:
 class Capacity:
     """The KV cache the budget divides: ``blocks`` blocks of ``block_size`` tokens each."""
 
-    blocks: int = attrs.field(validator=_positive_int("blocks"))
-    block_size: int = attrs.field(validator=_positive_int("block_size"))
+    blocks: int = attrs.field(validator=integer(1))
+    block_size: int = attrs.field(validator=integer(1))
 
     @property
     def tokens(self) -> int:
@@ -134,24 +57,24 @@ class ServiceClass:
     completion deadline when the request gives none.
     """
 
-    name: str = attrs.field(validator=_name("name"))
-    priority: int = attrs.field(default=0, validator=_nonneg_int("priority"))
-    initial_quantile: float = attrs.field(default=0.9, validator=_quantile("initial_quantile"))
-    extension_quantile: float = attrs.field(default=0.9, validator=_quantile("extension_quantile"))
+    name: str = attrs.field(validator=text())
+    priority: int = attrs.field(default=0, validator=integer(0))
+    initial_quantile: float = attrs.field(default=0.9, validator=quantile())
+    extension_quantile: float = attrs.field(default=0.9, validator=quantile())
     max_extension_tokens: int = attrs.field(
-        default=512, validator=_positive_int("max_extension_tokens")
+        default=512, validator=integer(1)
     )
     protected: bool = False
     preemptible: bool = True
     latency_floor_s: float | None = attrs.field(
-        default=None, validator=_optional_seconds("latency_floor_s")
+        default=None, validator=optional(seconds())
     )
-    ttft_slo_s: float | None = attrs.field(default=None, validator=_optional_seconds("ttft_slo_s"))
+    ttft_slo_s: float | None = attrs.field(default=None, validator=optional(seconds()))
     max_queue_delay_s: float | None = attrs.field(
-        default=None, validator=_optional_seconds("max_queue_delay_s")
+        default=None, validator=optional(seconds())
     )
     default_deadline_s: float | None = attrs.field(
-        default=None, validator=_optional_seconds("default_deadline_s")
+        default=None, validator=optional(seconds())
     )
 
 
@@ -226,19 +149,6 @@ class CalibrationKey:
     stops: str = "default"
 
 
-def _bool(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        if not isinstance(value, bool):
-            raise InvalidInput(field, value, "True or False")
-
-    return validate
-
-
-def _check_on_exhausted(_inst: object, _attr: object, value: Any) -> None:
-    if value not in ("extend", "continue"):
-        raise InvalidInput("on_exhausted", value, "'extend' or 'continue'")
-
-
 @attrs.frozen(slots=True)
 class RequestSpec:
     """What the application knows about a request when it arrives.
@@ -254,19 +164,21 @@ class RequestSpec:
     admitted only with a grant to its hard max, never paused and never preempted.
     """
 
-    prompt_tokens: int = attrs.field(validator=_positive_int("prompt_tokens"))
-    max_tokens: int = attrs.field(validator=_positive_int("max_tokens"))
-    model_max_len: int = attrs.field(validator=_positive_int("model_max_len"))
-    service_class: str = attrs.field(default="interactive", validator=_name("service_class"))
-    tenant: str = attrs.field(default="default", validator=_name("tenant"))
-    task: str = attrs.field(default="default", validator=_name("task"))
-    model: str = attrs.field(default="default", validator=_name("model"))
-    sampling: str = attrs.field(default="default", validator=_name("sampling"))
-    stops: str = attrs.field(default="default", validator=_name("stops"))
+    prompt_tokens: int = attrs.field(validator=integer(1))
+    max_tokens: int = attrs.field(validator=integer(1))
+    model_max_len: int = attrs.field(validator=integer(1))
+    service_class: str = attrs.field(default="interactive", validator=text())
+    tenant: str = attrs.field(default="default", validator=text())
+    task: str = attrs.field(default="default", validator=text())
+    model: str = attrs.field(default="default", validator=text())
+    sampling: str = attrs.field(default="default", validator=text())
+    stops: str = attrs.field(default="default", validator=text())
     durable: bool = False
-    on_exhausted: OnExhausted = attrs.field(default="extend", validator=_check_on_exhausted)
-    deadline: float | None = attrs.field(default=None, validator=_optional_seconds("deadline"))
-    resumable: bool = attrs.field(default=True, validator=_bool("resumable"))
+    on_exhausted: OnExhausted = attrs.field(
+        default="extend", validator=one_of("extend", "continue")
+    )
+    deadline: float | None = attrs.field(default=None, validator=optional(seconds()))
+    resumable: bool = attrs.field(default=True, validator=boolean())
 
     def __attrs_post_init__(self) -> None:
         if self.prompt_tokens >= self.model_max_len:

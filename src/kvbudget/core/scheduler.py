@@ -28,15 +28,15 @@ the queue is at its bound.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
-
-import attrs
 
 from kvbudget.core import events as ev
 from kvbudget.core import lifecycle
+from kvbudget.core.config import SchedulerConfig
 from kvbudget.core.cost import CostModel
+from kvbudget.core.forecast import Forecast
 from kvbudget.core.ledger import Ledger
 from kvbudget.core.lengths import LengthModel
 from kvbudget.core.lifecycle import (
@@ -59,6 +59,7 @@ from kvbudget.core.model import (
     class_table,
     lookup_class,
 )
+from kvbudget.core.queue import Queues
 from kvbudget.core.stats import Counters, Snapshot, build_snapshot
 from kvbudget.errors import (
     AlreadyReleased,
@@ -75,190 +76,9 @@ if TYPE_CHECKING:
 
 _NOTHING: tuple[ev.Action, ...] = ()
 _LIVE = LIVE_STATES
-# turn_away_late_first_tokens=None engages while more than this share of recent first tokens
-# (an exponential average with this weight per first token, ~100 of them) missed the objective
-_LATE_SHARE_ON = 0.05
-_LATE_ALPHA = 0.01
 # module-level aliases: enum attribute look-ups are slow on the per-token path
 _ADMITTED, _RUNNING, _EXTENDING = State.ADMITTED, State.RUNNING, State.EXTENDING
 _RELEASING, _PREEMPTING = State.RELEASING, State.PREEMPTING
-
-
-class _DecayingRate:
-    """Amounts added over time, exponentially forgotten over ``window_s``, read as a rate.
-
-    ``warm_up``: until one window has passed since the first amount, divide by the time since
-    then rather than by the window (a rate from the first few events is not diluted).
-    """
-
-    __slots__ = ("_at", "_first_at", "_sum", "warm_up", "window_s")
-
-    def __init__(self, window_s: float, warm_up: bool) -> None:
-        self.window_s = window_s
-        self.warm_up = warm_up
-        self._sum = 0.0
-        self._at: float | None = None
-        self._first_at: float | None = None
-
-    def add(self, amount: float, now: float) -> None:
-        if self._first_at is None:
-            self._first_at = now
-        if self._at is not None:
-            self._sum *= math.exp(-(now - self._at) / self.window_s)
-        self._sum += amount
-        self._at = now
-
-    def rate(self, now: float) -> float:
-        """Amount per second recently (0 before the first amount)."""
-        at, first = self._at, self._first_at
-        if at is None or first is None:
-            return 0.0
-        tau = self.window_s
-        span = min(tau, max(now - first, 1e-3)) if self.warm_up else tau
-        return self._sum * math.exp(-(now - at) / tau) / span
-
-
-@attrs.frozen(slots=True)
-class SchedulerConfig:
-    """Knobs of the mechanism (the policy holds the knobs of the decisions).
-
-    ``slack_tokens``: tokens each grant reserves beyond its boundary for engines that overshoot.
-    ``max_active``: cap on admitted requests (vLLM's ``max_num_seqs``). ``max_queued``: bound on
-    waiting callers per class. ``confirm_timeout_s``: after this an unconfirmed stop is counted.
-    ``release_rate_window_s``: time constant of the block release-rate estimate used for
-    ``retry_after``. ``min_retry_after_s``/``max_retry_after_s`` clamp what callers are told.
-    ``remember_released``: how many finished request ids are kept to recognise late events.
-    ``tenant_weights``: weighted fairness across tenants inside a class (default weight 1).
-    ``prefill_chunk_tokens``: the most prompt tokens the engine prefills in one step (vLLM's
-    ``max_num_batched_tokens`` under chunked prefill; 2,048 is its long-standing default; None:
-    a prompt is prefilled in one step). An admission's prefill, up to this many tokens, counts
-    in the step time that the latency floor of active streams is checked against.
-    ``turn_away_late_first_tokens``: turn away a caller under a first-token objective whose first
-    token the prefill already queued in the engine would make late (at admission, and at
-    arrival when its expected wait leaves no time for that prefill), by the cost model's learned
-    time to a first token. None (the default): only while more than 5 % of the recent first
-    tokens (an exponential average over ~100) missed their objective, i.e. while the engine's
-    prefill queue is what makes callers late; True: always; False: never. The forecast is only
-    as good as the shell's first-token reports: the first ``charge`` after admission must be the
-    first token, as in ``BudgetedEngine`` and the simulator. See docs/benchmarks.md, change 9.
-    ``deadline_service_quantile``: a queued request with a deadline is turned away once admitting
-    it could no longer finish it by the deadline: the deadline less its predicted prefill and
-    decode, at this quantile of its output-length distribution and the current step time
-    (None: it is turned away at the deadline itself). See docs/benchmarks.md, change 11.
-    ``arrival_rate_window_s``: time constant of the estimate of the prompt tokens per second
-    that callers under a first-token objective bring (:meth:`Scheduler.first_token_prefill_rate`),
-    which a policy may keep room for in the engine's prefill queue.
-    """
-
-    slack_tokens: int = attrs.field(default=0)
-    max_active: int | None = attrs.field(default=None)
-    max_queued: int = attrs.field(default=100_000)
-    confirm_timeout_s: float = attrs.field(default=5.0)
-    release_rate_window_s: float = attrs.field(default=10.0)
-    min_retry_after_s: float = attrs.field(default=0.05)
-    max_retry_after_s: float = attrs.field(default=60.0)
-    remember_released: int = attrs.field(default=10_000)
-    tenant_weights: Mapping[str, float] = attrs.field(factory=dict)
-    prefill_chunk_tokens: int | None = attrs.field(default=2048)
-    turn_away_late_first_tokens: bool | None = attrs.field(default=None)
-    arrival_rate_window_s: float = attrs.field(default=10.0)
-    deadline_service_quantile: float | None = attrs.field(default=0.5)
-
-    def __attrs_post_init__(self) -> None:
-        check_int("slack_tokens", self.slack_tokens, minimum=0, maximum=1 << 20)
-        if self.max_active is not None:
-            check_int("max_active", self.max_active, minimum=1)
-        check_int("max_queued", self.max_queued, minimum=0)
-        check_float("confirm_timeout_s", self.confirm_timeout_s, open_min=True)
-        check_float("release_rate_window_s", self.release_rate_window_s, open_min=True)
-        check_float("arrival_rate_window_s", self.arrival_rate_window_s, open_min=True)
-        if self.deadline_service_quantile is not None:
-            check_float(
-                "deadline_service_quantile",
-                self.deadline_service_quantile,
-                open_min=True,
-                maximum=1.0,
-                open_max=True,
-            )
-        check_float("min_retry_after_s", self.min_retry_after_s)
-        check_float("max_retry_after_s", self.max_retry_after_s, minimum=self.min_retry_after_s)
-        check_int("remember_released", self.remember_released, minimum=0)
-        for tenant, weight in self.tenant_weights.items():
-            check_float(f"tenant_weights[{tenant!r}]", weight, open_min=True)
-        if self.prefill_chunk_tokens is not None:
-            check_int("prefill_chunk_tokens", self.prefill_chunk_tokens, minimum=1)
-        if not (
-            self.turn_away_late_first_tokens is None
-            or isinstance(self.turn_away_late_first_tokens, bool)
-        ):
-            raise InvalidInput(
-                "turn_away_late_first_tokens",
-                self.turn_away_late_first_tokens,
-                "None (automatic), True or False",
-            )
-
-
-class _TenantQueue:
-    __slots__ = ("items", "pass_", "weight")
-
-    def __init__(self, weight: float) -> None:
-        self.items: deque[Request] = deque()
-        self.pass_ = 0.0
-        self.weight = weight
-
-
-class _ClassQueue:
-    """Weighted stride scheduling across tenants inside one service class."""
-
-    __slots__ = ("count", "tenants", "vtime", "want_blocks")
-
-    def __init__(self) -> None:
-        self.tenants: dict[str, _TenantQueue] = {}
-        self.count = 0
-        self.want_blocks = 0
-        self.vtime = 0.0
-
-    def push(self, req: Request, weight: float, front: bool = False) -> None:
-        tq = self.tenants.get(req.spec.tenant)
-        if tq is None:
-            tq = self.tenants[req.spec.tenant] = _TenantQueue(weight)
-        if not tq.items:
-            # an idle tenant does not bank credit while it sends nothing
-            tq.pass_ = max(tq.pass_, self.vtime)
-        if front:
-            tq.items.appendleft(req)
-        else:
-            tq.items.append(req)
-        self.count += 1
-        self.want_blocks += req.want_blocks
-
-    def head(self) -> Request | None:
-        best: _TenantQueue | None = None
-        for tq in self.tenants.values():
-            if tq.items:
-                front = tq.items[0]
-                if front.requeue_front:
-                    return front
-                if best is None or tq.pass_ < best.pass_:
-                    best = tq
-        return best.items[0] if best is not None else None
-
-    def pop(self, req: Request) -> None:
-        tq = self.tenants[req.spec.tenant]
-        if tq.items and tq.items[0] is req:
-            tq.items.popleft()
-            if not req.requeue_front:
-                self.vtime = tq.pass_
-                tq.pass_ += 1.0 / tq.weight
-        else:
-            tq.items.remove(req)
-        req.requeue_front = False
-        self.count -= 1
-        self.want_blocks -= req.want_blocks
-
-    def __iter__(self) -> Iterator[Request]:
-        for tq in self.tenants.values():
-            yield from tq.items
 
 
 class Scheduler:
@@ -289,22 +109,17 @@ class Scheduler:
         self.policy: Policy = resolve_policy(policy)
         self.requests: dict[str, Request] = {}
         self._released: OrderedDict[str, None] = OrderedDict()
-        self._queues: dict[str, _ClassQueue] = {name: _ClassQueue() for name in self.classes}
-        self._class_order = sorted(self.classes.values(), key=lambda c: (c.priority, c.name))
+        self.queues = Queues(self.classes, self.config.tenant_weights)
+        self._queues = self.queues.by_class
+        self.forecast = Forecast(self, self.queues, self.config)
         self._waiting_ext: dict[str, Request] = {}
-        # stopped requests awaiting confirmation, and a lower bound on when a queued request can
-        # expire: they keep tick() from walking every request and every queue on each call
+        # stopped requests awaiting confirmation: they keep tick() from walking every request
         self._stopping: dict[str, Request] = {}
-        self._expiry_floor: dict[str, float] = dict.fromkeys(self.classes, math.inf)
         #: requests holding a live grant (admitted, running or extending), in admission order
         self.live: dict[str, Request] = {}
         #: prompt (and recompute) tokens of admitted requests whose first token has not come yet:
         #: the prefill queued in the engine ahead of the next admission
         self.prefill_backlog = 0
-        # prompt tokens of callers under a first-token objective (first_token_prefill_rate)
-        self._ft_prompts = _DecayingRate(self.config.arrival_rate_window_s, warm_up=False)
-        #: exponential average of how many recent first tokens missed their objective
-        self.late_first_token_share = 0.0
         self._seq = 0
         self.active = 0  # requests holding a live grant (admitted/running/extending)
         self.releasing = 0  # requests stopped, blocks held until the engine confirms
@@ -312,7 +127,6 @@ class Scheduler:
         self.drift = 0  # last reconciliation: engine-reported minus ledger-expected blocks
         self.active_context = 0  # prompt + generated over live requests, for the cost model
         self._active_by_floor: dict[float, int] = {}
-        self._releases = _DecayingRate(self.config.release_rate_window_s, warm_up=True)
         self.now = 0.0
         self.counters: dict[tuple[str, str], Counters] = {}
         #: rejections by reason ("deadline", "queue-timeout", "too-large", ...)
@@ -388,74 +202,28 @@ class Scheduler:
         req = Request(request_id, spec, cls, now, stats)
         req.want_blocks = self._want_blocks(req)  # may raise PolicyViolation: count after it
         stats.arrived += 1
-        if cls.ttft_slo_s is not None:
-            self._ft_prompts.add(spec.prompt_tokens, now)
+        self.forecast.note_arrival(req, now)
         if req.want_blocks > self.ledger.room(cls.protected):
             return [self._reject_new(req, self.config.max_retry_after_s, "too-large")]
-        queue = self._queues[cls.name]
-        wait = self._estimated_wait(req)
-        if queue.count >= self.config.max_queued and (queue.count or wait > 0.0):
+        forecast = self.forecast
+        queued = self._queues[cls.name].count
+        wait = forecast.estimated_wait(req)
+        if queued >= self.config.max_queued and (queued or wait > 0.0):
             # a full queue turns away callers that would wait, not one admitted at once
-            return [self._reject_new(req, self._retry_after(req, queue), "queue-full")]
+            return [self._reject_new(req, forecast.retry_after(req), "queue-full")]
         # the service forecast of a deadline only matters to a caller that waits: one admitted
         # at once skips it (it is most of an arrival's cost), one that stays queued gets it below
-        req.expiry = self._queue_expiry(req, service=wait > 0.0)
-        bound = self._wait_bound(req, now)
+        req.expiry = forecast.queue_expiry(req, service=wait > 0.0)
+        bound = forecast.wait_bound(req, now)
         if wait > 0.0 and bound is not None and wait > bound:
             return [self._reject_new(req, wait, "deadline")]
         self.requests[request_id] = req
-        queue.push(req, self._weight(spec.tenant))
-        self._note_queued(req)
+        self.queues.push(req)
         actions = self._pump(now)
         if wait <= 0.0 and req.state is State.QUEUED and req.deadline_at is not None:
-            req.expiry = self._queue_expiry(req)
-            self._note_queued(req)
+            req.expiry = forecast.queue_expiry(req)
+            self.queues.note_expiry(req)
         return actions
-
-    def _queue_expiry(self, req: Request, service: bool = True) -> float:
-        """When a queued request is turned away (a checkpoint: only its deadline bounds it).
-
-        A caller with a time-to-first-token objective is turned away once admitting it could no
-        longer give it a first token in time (the objective less its predicted prefill); one with
-        a deadline once admitting it could no longer finish it in time (the deadline less its
-        predicted service, ``deadline_service_quantile``): admitted later it would miss anyway,
-        and the KV and engine time it took would be lost to others. (``service=False``: without
-        that forecast, for a caller about to be admitted at once.)
-        """
-        expiry = req.deadline_at if req.deadline_at is not None else math.inf
-        if req.state is State.CHECKPOINTED:
-            return expiry
-        q = self.config.deadline_service_quantile
-        if service and req.deadline_at is not None and q is not None:
-            expiry -= self._predicted_service(req, q)
-        cls = req.cls
-        if cls.max_queue_delay_s is not None:
-            expiry = min(expiry, req.arrival + cls.max_queue_delay_s)
-        if cls.ttft_slo_s is not None and req.generated == 0:
-            last = req.arrival + cls.ttft_slo_s - self.cost.predict_prefill(req.prompt)
-            expiry = min(expiry, last)
-        return expiry
-
-    def _predicted_service(self, req: Request, q: float) -> float:
-        """Seconds from admission to the last token of ``req`` if its output runs to the
-        ``q``-quantile of its length distribution: its prefill, then that many steps at the
-        current step time (one more sequence and its context in the batch)."""
-        if req.generated:
-            target = self.lengths.conditional_quantile(req.key, q, req.generated)
-        else:
-            target = self.lengths.quantile(req.key, q)
-        tokens = max(1, min(req.remaining, target - req.generated))
-        context = req.prompt + req.generated
-        step = self.cost.predict_decode(self.active + 1, self.active_context + context)
-        return self.cost.predict_prefill(context) + tokens * step
-
-    def _note_queued(self, req: Request) -> None:
-        """``req`` joined its queue with ``req.expiry`` set: keep its class's expiry floor."""
-        if req.expiry < self._expiry_floor[req.cls.name]:
-            self._expiry_floor[req.cls.name] = req.expiry
-
-    def _weight(self, tenant: str) -> float:
-        return float(self.config.tenant_weights.get(tenant, 1.0))
 
     def _want_blocks(self, req: Request) -> int:
         allowance = self._allowance(req)
@@ -474,81 +242,21 @@ class Scheduler:
             )
         return allowance
 
-    def _wait_bound(self, req: Request, now: float) -> float | None:
-        """Seconds from ``now`` that ``req`` may still wait for admission (None: unbounded).
-
-        ``req.expiry`` (fixed when it was queued: :meth:`tick` turns the caller away there), and
-        with ``turn_away_late_first_tokens``, for a first token under an objective, less the time
-        to it that the prefill queued in the engine now predicts (:meth:`_first_token_late`
-        turns the caller away there at admission).
-        """
-        bound = None if req.expiry == math.inf else req.expiry - now
-        ttft = self._first_token_objective(req)
-        if ttft is not None:
-            late = req.arrival + ttft - self.first_token_delay(req) - now
-            bound = late if bound is None else min(bound, late)
-        return bound
-
-    def _first_token_objective(self, req: Request) -> float | None:
-        """The first-token objective that the late-first-token turn-away judges ``req`` by now
-        (None: it does not apply: no objective, not a fresh queued caller, or not engaged)."""
-        ttft = req.cls.ttft_slo_s
-        if ttft is None or req.generated or req.state is not State.QUEUED:
-            return None
-        setting = self.config.turn_away_late_first_tokens
-        engaged = self.late_first_token_share > _LATE_SHARE_ON if setting is None else setting
-        return ttft if engaged else None
-
     def first_token_delay(self, req: Request, extra_tokens: int = 0) -> float:
         """Predicted seconds from admitting ``req`` now to its first token, behind the prefill
         queued in the engine (and ``extra_tokens`` more of it ahead)."""
-        return self.cost.predict_first_token(
-            self.prefill_backlog + req.prompt + req.generated + extra_tokens
-        )
-
-    def _first_token_late(self, req: Request, now: float) -> bool:
-        """Would the prefill queued in the engine make ``req``'s first token late if it were
-        admitted now? (Not if its own prefill alone already exceeds its objective: it can never
-        be met, and now is as early as that caller can be served.)"""
-        ttft = self._first_token_objective(req)
-        return (
-            ttft is not None
-            and self.cost.predict_first_token(req.prompt) <= ttft
-            and now + self.first_token_delay(req) > req.arrival + ttft
-        )
+        return self.forecast.first_token_delay(req, extra_tokens)
 
     def first_token_prefill_rate(self) -> float:
-        """Prompt tokens per second that callers under a first-token objective brought recently
-        (every arrival counts, admitted or not; an exponential average over
-        ``arrival_rate_window_s``): the prefill such callers are expected to queue in the
-        engine. 0 before the first such caller."""
-        return self._ft_prompts.rate(self.now)
+        """Prompt tokens per second that callers under a first-token objective brought recently:
+        the prefill such callers are expected to queue in the engine (:class:`Forecast`)."""
+        return self.forecast.first_token_prefill_rate()
 
-    def _release_rate(self, now: float) -> float:
-        """Blocks per second returned recently (0 when nothing was released yet)."""
-        return self._releases.rate(now)
-
-    def _estimated_wait(self, req: Request) -> float:
-        """Seconds until ``req`` could be admitted, from the queue ahead and the release rate."""
-        ahead = 0
-        for cls in self._class_order:
-            if cls.priority > req.cls.priority:
-                break
-            ahead += self._queues[cls.name].want_blocks
-        deficit = ahead + req.want_blocks - self.ledger.admission_free
-        if deficit <= 0 and (
-            self.config.max_active is None or self.active < self.config.max_active
-        ):
-            return 0.0
-        deficit = max(deficit, 1)
-        rate = self._release_rate(self.now)
-        if rate <= 0.0:
-            return 0.0 if self.active + self.releasing == 0 else self.config.min_retry_after_s
-        return deficit / rate
-
-    def _retry_after(self, req: Request, queue: _ClassQueue | None = None) -> float:
-        wait = self._estimated_wait(req)
-        return min(max(wait, self.config.min_retry_after_s), self.config.max_retry_after_s)
+    @property
+    def late_first_token_share(self) -> float:
+        """Exponential average (~100 first tokens) of how many first tokens missed their
+        objective."""
+        return self.forecast.late_first_token_share
 
     def _count_rejection(self, reason: str) -> None:
         self.rejections_by_reason[reason] = self.rejections_by_reason.get(reason, 0) + 1
@@ -579,8 +287,7 @@ class Scheduler:
         lifecycle.settle(req, Outcome.REJECTED)
         self._count_rejection(reason)
         self._remember(req.request_id)
-        retry = min(max(wait, self.config.min_retry_after_s), self.config.max_retry_after_s)
-        return ev.Reject(req.request_id, retry, reason)
+        return ev.Reject(req.request_id, self.forecast.clamp_retry(wait), reason)
 
     # == the hot path ==============================================================================
 
@@ -609,10 +316,7 @@ class Scheduler:
             if req.prefill_pending:
                 self._prefill_done(req)
                 self.cost.observe_first_token(req.prefill_ahead, max(0.0, now - req.admitted_at))
-            ttft = req.cls.ttft_slo_s
-            if ttft is not None and req.preemptions == 0:
-                late = 1.0 if now - req.arrival > ttft else 0.0
-                self.late_first_token_share += _LATE_ALPHA * (late - self.late_first_token_share)
+            self.forecast.note_first_token(req, now)
         elif state is _RELEASING or state is _PREEMPTING:
             req.stats.wasted_tokens += tokens  # produced after the stop: nobody receives them
             ledger.charge(req, tokens)
@@ -809,7 +513,7 @@ class Scheduler:
         self.releasing -= 1
         if preempting:
             self.preempting -= 1
-        self._releases.add(freed, now)
+        self.forecast.note_release(freed, now)
         if preempting:  # (the confirmation moved it to checkpointed)
             req.resume = req.checkpoint()
             req.requeue_front = self.policy.requeue_front
@@ -820,11 +524,8 @@ class Scheduler:
                 # it would block its class until its deadline. End it explicitly.
                 actions.append(self._expire(req, self.config.max_retry_after_s, "too-large"))
             else:
-                req.expiry = self._queue_expiry(req)
-                self._queues[req.cls.name].push(
-                    req, self._weight(req.spec.tenant), front=req.requeue_front
-                )
-                self._note_queued(req)
+                req.expiry = self.forecast.queue_expiry(req)
+                self.queues.push(req, front=req.requeue_front)
         else:
             outcome = lifecycle.count_release(req)
             actions.append(ev.Released(req.request_id, freed, outcome))
@@ -843,7 +544,7 @@ class Scheduler:
         self._count_rejection(reason)
         self.requests.pop(req.request_id, None)
         self._remember(req.request_id)
-        return ev.Reject(req.request_id, self._retry_after(req), reason)
+        return ev.Reject(req.request_id, self.forecast.retry_after(req), reason)
 
     def _expire(self, req: Request, retry_after: float, reason: str) -> ev.Reject:
         """A checkpointed request that can no longer resume ends explicitly, as failed."""
@@ -887,23 +588,9 @@ class Scheduler:
     def tick(self, now: float) -> list[ev.Action]:
         """Time passed: turn away queued callers past their bound, count unconfirmed stops."""
         now = self._time(now)
-        actions: list[ev.Action] = []
-        for cls in self._class_order:
-            queue = self._queues[cls.name]
-            # nothing queued can have expired before the earliest expiry seen (margin: rounding)
-            if not queue.count or now < self._expiry_floor[cls.name] - 1e-6:
-                continue
-            expired = []
-            floor = math.inf
-            for req in queue:
-                expiry = req.expiry
-                if now > expiry:
-                    expired.append(req)
-                elif expiry < floor:
-                    floor = expiry
-            self._expiry_floor[cls.name] = floor
-            for req in expired:
-                actions.append(self._turn_away(req, "queue-timeout"))
+        actions: list[ev.Action] = [
+            self._turn_away(req, "queue-timeout") for req in self.queues.expired(now)
+        ]
         timeout = self.config.confirm_timeout_s
         for req in list(self._stopping.values()):
             if (
@@ -1127,8 +814,10 @@ class Scheduler:
         return predicted <= floor
 
     def _admit(self, now: float, actions: list[ev.Action]) -> None:
+        """The admission pass: queue heads in class-priority order, each admitted while
+        :meth:`_may_admit` allows it (strict priority: nothing behind a head jumps it)."""
         cap = self.config.max_active
-        for cls in self._class_order:
+        for cls in self.queues.order:
             queue = self._queues[cls.name]
             while queue.count:
                 req = queue.head()
@@ -1138,25 +827,9 @@ class Scheduler:
                 allowance = self._allowance(req)
                 boundary = req.generated + allowance
                 blocks = self.ledger.grant_blocks(req, boundary)
-                fits = self.ledger.fits_admission(blocks)
-                gated = cls.protected and self.policy.preempt_for_admission
-                ok = (
-                    (fits or gated)
-                    and (
-                        self.policy.admit(req, blocks) or (self.active == 0 and self.releasing == 0)
-                    )
-                    and (
-                        self.active == 0
-                        or self._within_floor(
-                            1, req.prompt + req.generated + allowance, req.prompt + req.generated
-                        )
-                    )
-                )
-                if not (fits and ok) and not (
-                    gated and self._preempt_for_admission(req, blocks, ok, now, actions)
-                ):
-                    return  # strict priority: nothing behind the head jumps it
-                if self._first_token_late(req, now):
+                if not self._may_admit(req, blocks, allowance, now, actions):
+                    return
+                if self.forecast.first_token_late(req, now):
                     # behind the prefill already queued in the engine its first token would be
                     # late: a fast "overloaded" now, and its prefill is not taken from callers
                     # who can still be served in time
@@ -1165,17 +838,43 @@ class Scheduler:
                 queue.pop(req)
                 self._grant(req, boundary, allowance, now, actions)
 
-    def _preempt_for_admission(
-        self, req: Request, blocks: int, gates_ok: bool, now: float, actions: list[ev.Action]
+    def _may_admit(
+        self, req: Request, blocks: int, allowance: int, now: float, actions: list[ev.Action]
     ) -> bool:
-        """A protected head that does not fit: take headroom, wait, or checkpoint batch work.
+        """May the head ``req`` be granted ``blocks`` now?
 
-        Returns True when the head may be admitted now, into the unprotected part of the
-        headroom pool (only if ``gates_ok``: the policy's gate and the latency floor allow it):
-        at once while no extension waits, otherwise only where batch work would be checkpointed.
+        It must fit the admission budget and pass the gates (the policy's own, unless nothing
+        runs or is being released; the latency floor of active streams). A protected head of a
+        policy that preempts for admission that does not fit may instead take the headroom
+        beyond its protected part, or checkpoint batch work for it
+        (:meth:`_protected_head_room`).
         """
-        floor = self.ledger.protected_blocks
-        if gates_ok and not self._waiting_ext and self.ledger.free - blocks >= floor:
+        fits = self.ledger.fits_admission(blocks)
+        protected_head = req.cls.protected and self.policy.preempt_for_admission
+        if not (fits or protected_head):
+            return False
+        gates = (self.policy.admit(req, blocks) or (self.active == 0 and self.releasing == 0)) and (
+            self.active == 0
+            or self._within_floor(
+                1, req.prompt + req.generated + allowance, req.prompt + req.generated
+            )
+        )
+        if fits and gates:
+            return True
+        return protected_head and self._protected_head_room(req, blocks, gates, now, actions)
+
+    def _protected_head_room(
+        self, req: Request, blocks: int, gates: bool, now: float, actions: list[ev.Action]
+    ) -> bool:
+        """A protected head that does not fit its admission budget: may it take the headroom
+        beyond the protected part now (True), or does it wait, checkpointing batch work for it
+        at its last responsible moment (False; the preemptions are in ``actions``)?
+
+        It takes that headroom (only if ``gates``) at once while no extension waits, and
+        otherwise only where batch work would be checkpointed.
+        """
+        takes_headroom = self.ledger.fits_extension(blocks, protected=False)
+        if gates and not self._waiting_ext and takes_headroom:
             # The headroom is a forecast of extension demand, and no extension is waiting for
             # it; the head's wait is certain and its first-token clock runs. An extension that
             # later finds the pool short can still preempt batch work (protected) or wait at its
@@ -1183,15 +882,16 @@ class Scheduler:
             return True
         if self.preempting:
             return False  # room is already on its way back; do not preempt twice for one head
-        slack = self._wait_bound(req, now)
-        if slack is not None and self._release_rate(now) > 0.0:
+        rate = self.forecast.release_rate(now)
+        slack = self.forecast.wait_bound(req, now)
+        if slack is not None and rate > 0.0:
             # checkpoint others only at the last responsible moment: while the blocks released
             # at the recent rate would still admit the head in time (by its queue bound, which
             # leaves room for its prefill under a first-token objective), a preemption would only
             # trade the victim's recompute for nothing. With no release seen yet there is no
             # evidence that blocks will come back: preempt.
             deficit = blocks - (self.ledger.free - self.ledger.headroom_target)
-            if slack > 0.0 and deficit / self._release_rate(now) <= slack:
+            if slack > 0.0 and deficit / rate <= slack:
                 return False
         # A victim whose class is backlogged (more work queued than the whole cache holds, so
         # more than one turnover of the cache away) is spared: the engine is saturated for that
@@ -1211,11 +911,10 @@ class Scheduler:
         # first: it is a forecast of extension demand, not blocks anyone holds (a protected
         # extension it displaces can still preempt batch work at its own boundary; a batch one
         # waits for the next release). Only what that does not cover is checkpointed.
-        if self.ledger.free - blocks >= floor:
-            return gates_ok
-        need = blocks - (self.ledger.free - floor)
-        victims = self.policy.choose_victims(req, need, candidates)
-        for victim in victims:
+        if takes_headroom:
+            return gates
+        need = blocks - self.ledger.spare(protected=False)
+        for victim in self.policy.choose_victims(req, need, candidates):
             if victim is req or victim.state not in _LIVE or victim.generated >= victim.hard_max:
                 raise PolicyViolation(
                     self.policy.name, "admission victims must be running requests"
@@ -1248,7 +947,7 @@ class Scheduler:
         actions.append(ev.Admit(req.request_id, req.boundary, req.blocks, resume))
 
     def _dequeue(self, req: Request) -> None:
-        self._queues[req.cls.name].pop(req)
+        self.queues.remove(req)
 
     def _ensure_progress(self, now: float, actions: list[ev.Action]) -> None:
         """If every live request waits at its boundary and nothing will free blocks: grow the
@@ -1295,7 +994,7 @@ class Scheduler:
         return build_snapshot(self)
 
     def queued(self) -> int:
-        return sum(q.count for q in self._queues.values())
+        return self.queues.count()
 
     def all_requests(self) -> list[Request]:
         return list(self.requests.values())
