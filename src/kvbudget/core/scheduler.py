@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
 from kvbudget.core import events as ev
 from kvbudget.core import lifecycle
@@ -38,7 +37,7 @@ from kvbudget.core.config import SchedulerConfig
 from kvbudget.core.cost import CostModel
 from kvbudget.core.forecast import Forecast
 from kvbudget.core.ledger import Ledger
-from kvbudget.core.lengths import LengthModel
+from kvbudget.core.lengths import LengthModel, UnderestimationReport
 from kvbudget.core.lifecycle import (
     HOLDING_STATES,
     LIVE_STATES,
@@ -59,8 +58,9 @@ from kvbudget.core.model import (
     class_table,
     lookup_class,
 )
+from kvbudget.core.policy import Blocked, Policy, resolve_policy
 from kvbudget.core.queue import Queues
-from kvbudget.core.stats import Counters, Snapshot, build_snapshot
+from kvbudget.core.stats import Counters, Snapshot, sum_counters
 from kvbudget.errors import (
     AlreadyReleased,
     DuplicateRequest,
@@ -70,9 +70,6 @@ from kvbudget.errors import (
     PolicyViolation,
     UnknownRequest,
 )
-
-if TYPE_CHECKING:
-    from kvbudget.core.policy import Policy
 
 _NOTHING: tuple[ev.Action, ...] = ()
 _LIVE = LIVE_STATES
@@ -94,8 +91,6 @@ class Scheduler:
         cost: CostModel | None = None,
         config: SchedulerConfig | None = None,
     ) -> None:
-        from kvbudget.core.policy import resolve_policy
-
         if not isinstance(capacity, Capacity):
             raise InvalidInput("capacity", capacity, "a kvbudget.Capacity")
         self.capacity = capacity
@@ -726,8 +721,6 @@ class Scheduler:
         actions.append(ev.Extend(req.request_id, req.boundary, req.blocks))
 
     def _handle_blocked(self, req: Request, now: float, actions: list[ev.Action]) -> None:
-        from kvbudget.core.policy import Blocked
-
         decision = self.policy.on_blocked(req)
         req.stats.extensions_denied += 1
         if decision is Blocked.WAIT:
@@ -991,7 +984,43 @@ class Scheduler:
     # == reporting =================================================================================
 
     def snapshot(self) -> Snapshot:
-        return build_snapshot(self)
+        """The budget now: the ledger's pools, the request counts and the counters."""
+        led = self.ledger
+        by_class: dict[str, list[Counters]] = {}
+        by_tenant: dict[str, list[Counters]] = {}
+        for (cls, tenant), c in self.counters.items():
+            by_class.setdefault(cls, []).append(c)
+            by_tenant.setdefault(tenant, []).append(c)
+        unconfirmed = sum(
+            1 for r in self.requests.values() if r.unconfirmed and r.state in STOPPING_STATES
+        )
+        try:
+            under: UnderestimationReport | None = self.lengths.underestimation()
+        except Exception:  # a user length model without tracking
+            under = None
+        return Snapshot(
+            capacity_blocks=led.capacity.blocks,
+            block_size=led.block_size,
+            reserved_blocks=led.reserved,
+            used_blocks=led.used,
+            free_blocks=led.free,
+            headroom_blocks=led.headroom_target,
+            headroom_free_blocks=led.headroom_free,
+            protected_blocks=led.protected_blocks,
+            admission_free_blocks=led.admission_free,
+            active=self.active,
+            queued=self.queued(),
+            releasing=self.releasing,
+            unconfirmed_releasing=unconfirmed,
+            policy=self.policy.name,
+            totals=sum_counters(list(self.counters.values())),
+            by_class={k: sum_counters(v) for k, v in by_class.items()},
+            by_tenant={k: sum_counters(v) for k, v in by_tenant.items()},
+            by_class_tenant={k: sum_counters([v]) for k, v in self.counters.items()},
+            underestimation=under,
+            drift_blocks=self.drift,
+            rejections_by_reason=dict(self.rejections_by_reason),
+        )
 
     def queued(self) -> int:
         return self.queues.count()

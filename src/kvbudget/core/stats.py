@@ -1,8 +1,8 @@
 """Counters and the snapshot value (DESIGN §9): what the core counts, per class and tenant.
 
-The counters are plain mutable slots bumped on the hot path; :func:`build_snapshot` turns them and
-the ledger into one frozen :class:`Snapshot` that shells expose as ``Budget.snapshot()``, log as
-structlog events and export to Prometheus.
+The counters are plain mutable slots bumped on the hot path; ``Scheduler.snapshot`` turns them
+and the ledger into one frozen :class:`Snapshot` that shells expose as ``Budget.snapshot()``, log
+as structlog events and export to Prometheus. Nothing here depends on the rest of the core.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import attrs
 
 if TYPE_CHECKING:
     from kvbudget.core.lengths import UnderestimationReport
-    from kvbudget.core.scheduler import Scheduler
 
 COUNTER_FIELDS: tuple[str, ...] = (
     "arrived",
@@ -199,52 +198,10 @@ class Snapshot:
         return self.reserved_blocks - self.used_blocks
 
 
-def _sum(counters: list[Counters]) -> CounterValues:
+def sum_counters(counters: list[Counters]) -> CounterValues:
+    """The counters added up, frozen."""
     totals = dict.fromkeys(COUNTER_FIELDS, 0)
     for c in counters:
         for name in COUNTER_FIELDS:
             totals[name] += getattr(c, name)
     return CounterValues(**totals)
-
-
-def build_snapshot(s: Scheduler) -> Snapshot:
-    from kvbudget.core.ledger import State
-
-    led = s.ledger
-    by_class: dict[str, list[Counters]] = {}
-    by_tenant: dict[str, list[Counters]] = {}
-    for (cls, tenant), c in s.counters.items():
-        by_class.setdefault(cls, []).append(c)
-        by_tenant.setdefault(tenant, []).append(c)
-    unconfirmed = sum(
-        1
-        for r in s.requests.values()
-        if r.unconfirmed and r.state in (State.RELEASING, State.PREEMPTING)
-    )
-    try:
-        under: UnderestimationReport | None = s.lengths.underestimation()
-    except Exception:  # a user length model without tracking
-        under = None
-    return Snapshot(
-        capacity_blocks=led.capacity.blocks,
-        block_size=led.block_size,
-        reserved_blocks=led.reserved,
-        used_blocks=led.used,
-        free_blocks=led.free,
-        headroom_blocks=led.headroom_target,
-        headroom_free_blocks=led.headroom_free,
-        protected_blocks=led.protected_blocks,
-        admission_free_blocks=led.admission_free,
-        active=s.active,
-        queued=s.queued(),
-        releasing=s.releasing,
-        unconfirmed_releasing=unconfirmed,
-        policy=s.policy.name,
-        totals=_sum(list(s.counters.values())),
-        by_class={k: _sum(v) for k, v in by_class.items()},
-        by_tenant={k: _sum(v) for k, v in by_tenant.items()},
-        by_class_tenant={k: _sum([v]) for k, v in s.counters.items()},
-        underestimation=under,
-        drift_blocks=s.drift,
-        rejections_by_reason=dict(s.rejections_by_reason),
-    )

@@ -1,141 +1,24 @@
-"""Policies: the decisions a scheduler delegates (how much to grant, when to grow, whom to stop).
-
-A policy answers a handful of questions through the :class:`Policy` protocol; the scheduler owns
-the mechanism (the ledger, the queue, the pool rules, the invariants) and checks every answer, so a
-policy cannot break an invariant: an answer that would is refused with
-:class:`~kvbudget.errors.PolicyViolation`. All policies run over the same ledger, which is what
-makes the comparison in ``kvbudget simulate`` fair.
-
-Shipped policies (DESIGN §5): ``calibrated`` (the default), and the baselines ``reserve-max``
-(TensorRT-LLM GUARANTEED_NO_EVICT / TGI before segments), ``segmented`` (TGI v3 router),
-``reserve-current`` (vLLM v1 FCFS), ``new-token-ratio`` (SGLang), ``past-future`` (LightLLM,
-ASPLOS 2025) and ``oracle`` (knows each true length; simulation only).
-"""
+"""kvbudget's own policy: calibrated quantile grants, bounded extensions from a headroom pool,
+and, where the engine's re-prefill is cheap, the engine's own optimism (class docstring)."""
 
 from __future__ import annotations
 
-import enum
 import math
-import random
-from collections import deque
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
-from kvbudget.core.model import blocks_for, check_float, check_int
-from kvbudget.errors import InvalidInput, UnknownPolicy
+from kvbudget.core.lifecycle import LIVE_STATES, State
+from kvbudget.core.model import blocks_for
+from kvbudget.core.policy.base import BasePolicy, Blocked
+from kvbudget.validate import check_float, check_int
 
 if TYPE_CHECKING:
-    from kvbudget.core.ledger import Request
-    from kvbudget.core.scheduler import Scheduler
+    from kvbudget.core.lifecycle import Request
+    from kvbudget.core.view import SchedulerView
 
 
 #: the objective a pause's re-prefill is weighed against for a class with no first-token one
 _REFERENCE_S = 2.0
-
-
-class Blocked(enum.Enum):
-    """What to do with a request stopped at its boundary whose grant cannot grow now."""
-
-    WAIT = "wait"  # hold the grant and wait for blocks to come back
-    PREEMPT_OTHERS = "preempt-others"  # checkpoint victims chosen by ``choose_victims``
-    PREEMPT_SELF = "preempt-self"  # checkpoint this request; it resumes by re-prefill
-    CONTINUE = "continue"  # end with an explicit continuation (only if the request allows it)
-
-
-@runtime_checkable
-class Policy(Protocol):
-    """The decisions of a budget policy. See :class:`BasePolicy` for the defaults."""
-
-    @property
-    def name(self) -> str: ...  # read-only: shipped policies set it as a ClassVar
-
-    requeue_front: bool
-    preempt_for_admission: bool
-
-    def bind(self, scheduler: Scheduler) -> None: ...
-    def headroom_target(self) -> int: ...
-    def protected_blocks(self) -> int: ...
-    def initial_allowance(self, req: Request) -> int: ...
-    def lookahead_tokens(self, req: Request) -> int: ...
-    def extension_tokens(self, req: Request) -> int | None: ...
-    def admit(self, req: Request, blocks: int) -> bool: ...
-    def on_blocked(self, req: Request) -> Blocked: ...
-    def choose_victims(
-        self, req: Request, need_blocks: int, candidates: Sequence[Request]
-    ) -> list[Request]: ...
-    def on_granted(self, req: Request) -> None: ...
-    def on_leave(self, req: Request) -> None: ...
-    def on_finished(self, req: Request, length: int) -> None: ...
-    def on_step(self) -> None: ...
-
-
-class BasePolicy:
-    """Defaults for every hook: no headroom, grant the hard max, never preempt."""
-
-    name: ClassVar[str] = "base"
-    requeue_front: bool = True
-    preempt_for_admission: bool = False
-    _s: Scheduler
-
-    def bind(self, scheduler: Scheduler) -> None:
-        self._s = scheduler
-
-    @property
-    def scheduler(self) -> Scheduler:
-        return self._s
-
-    @property
-    def block_size(self) -> int:
-        return self._s.capacity.block_size
-
-    def headroom_target(self) -> int:
-        return 0
-
-    def protected_blocks(self) -> int:
-        return 0
-
-    def initial_allowance(self, req: Request) -> int:
-        return req.remaining
-
-    def lookahead_tokens(self, req: Request) -> int:
-        return 0
-
-    def extension_tokens(self, req: Request) -> int | None:
-        return None
-
-    def admit(self, req: Request, blocks: int) -> bool:
-        return True
-
-    def on_blocked(self, req: Request) -> Blocked:
-        return Blocked.CONTINUE if req.spec.on_exhausted == "continue" else Blocked.WAIT
-
-    def choose_victims(
-        self, req: Request, need_blocks: int, candidates: Sequence[Request]
-    ) -> list[Request]:
-        return []
-
-    def on_granted(self, req: Request) -> None:
-        pass
-
-    def on_leave(self, req: Request) -> None:
-        pass
-
-    def on_finished(self, req: Request, length: int) -> None:
-        pass
-
-    def on_step(self) -> None:
-        pass
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-
-def _most_recent(req: Request, candidates: Sequence[Request]) -> list[Request]:
-    """vLLM/LightLLM victim: the most recently admitted running request (maybe ``req`` itself)."""
-    pool = list(candidates)
-    if req not in pool:
-        pool.append(req)
-    return [max(pool, key=lambda r: r.seq)]
 
 
 class CalibratedPolicy(BasePolicy):
@@ -228,7 +111,7 @@ class CalibratedPolicy(BasePolicy):
         #: for classes with no objective of their own (batch_prefill_share applies to them)
         self._objective_above: dict[str, float] = {}
 
-    def bind(self, scheduler: Scheduler) -> None:
+    def bind(self, scheduler: SchedulerView) -> None:
         super().bind(scheduler)
         classes = scheduler.classes.values()
         self._objective_above = {}
@@ -364,8 +247,6 @@ class CalibratedPolicy(BasePolicy):
         return None if req.cls.protected else self.grant_step_tokens
 
     def on_blocked(self, req: Request) -> Blocked:
-        from kvbudget.core.ledger import State
-
         if self.cheap_to_pause(req):
             # as vLLM: the most recently admitted gives way, this one if it is the newest
             if self._newer(req):
@@ -383,13 +264,11 @@ class CalibratedPolicy(BasePolicy):
 
     @staticmethod
     def _eligible(req: Request, victim: Request) -> bool:
-        from kvbudget.core.ledger import State
-
         return (
             victim is not req
             and victim.cls.preemptible
             and victim.cls.priority > req.cls.priority
-            and victim.state in (State.ADMITTED, State.RUNNING, State.EXTENDING)
+            and victim.state in LIVE_STATES
         )
 
     def choose_victims(
@@ -475,241 +354,4 @@ class CalibratedPolicy(BasePolicy):
             self._demand = 0.0  # shed float drift when idle
 
 
-class ReserveMaxPolicy(BasePolicy):
-    """Reserve prompt + hard max at admission; never extend, never preempt.
-
-    TensorRT-LLM's ``GUARANTEED_NO_EVICT`` capacity scheduler; TGI's router before grant segments.
-    """
-
-    name: ClassVar[str] = "reserve-max"
-    preempt_for_admission = False
-
-
-class SegmentedPolicy(BasePolicy):
-    """Reserve prompt + min(hard max, ``segment``); at the boundary, re-queue with the output
-    appended and re-prefill (TGI v3 router's segmented reservations)."""
-
-    name: ClassVar[str] = "segmented"
-    requeue_front = False
-
-    def __init__(self, *, segment: int = 1024) -> None:
-        self.segment = check_int("segment", segment, minimum=1)
-
-    def initial_allowance(self, req: Request) -> int:
-        return min(req.remaining, self.segment)
-
-    def on_blocked(self, req: Request) -> Blocked:
-        return Blocked.PREEMPT_SELF
-
-
-class ReserveCurrentPolicy(BasePolicy):
-    """vLLM v1 FCFS: admit while the prompt fits; grow block by block; when a step cannot
-    allocate, preempt the most recently admitted request by recompute and put it at the head of
-    the queue."""
-
-    name: ClassVar[str] = "reserve-current"
-    requeue_front = True
-
-    def initial_allowance(self, req: Request) -> int:
-        return 1
-
-    def extension_tokens(self, req: Request) -> int | None:
-        room = req.hard_max - req.boundary
-        return min(room, self.block_size) if room > 0 else None
-
-    def on_blocked(self, req: Request) -> Blocked:
-        return Blocked.PREEMPT_OTHERS
-
-    def choose_victims(
-        self, req: Request, need_blocks: int, candidates: Sequence[Request]
-    ) -> list[Request]:
-        return _most_recent(req, candidates)
-
-
-class NewTokenRatioPolicy(ReserveCurrentPolicy):
-    """SGLang: admit while free tokens cover running requests' remaining x ratio plus the new
-    request's prompt + min(max_new, 4096); the ratio starts at 0.7 and decays linearly to 0.098
-    over 600 steps; when a step cannot allocate, retract the request with the fewest output
-    tokens and reset the ratio.
-
-    The running term uses the ledger's O(1) aggregate ``sum(hard_max) - sum(generated)`` rather
-    than SGLang's per-request clip at 4096 (identical whenever max_new <= 4096).
-    """
-
-    name: ClassVar[str] = "new-token-ratio"
-    clip = 4096
-
-    def __init__(
-        self, *, init_ratio: float = 0.7, min_ratio: float = 0.098, decay_steps: int = 600
-    ) -> None:
-        self.init_ratio = check_float("init_ratio", init_ratio, maximum=1.0, open_min=True)
-        self.min_ratio = check_float("min_ratio", min_ratio, maximum=self.init_ratio)
-        self.decay = (self.init_ratio - self.min_ratio) / check_int(
-            "decay_steps", decay_steps, minimum=1
-        )
-        self.ratio = self.init_ratio
-
-    def admit(self, req: Request, blocks: int) -> bool:
-        led = self._s.ledger
-        running_rest = (led.active_hard_max - led.active_generated) * self.ratio
-        needed = req.prompt + req.generated + min(req.remaining, self.clip)
-        return led.free * self.block_size - running_rest - needed >= 0
-
-    def on_blocked(self, req: Request) -> Blocked:
-        self.ratio = self.init_ratio
-        return Blocked.PREEMPT_OTHERS
-
-    def choose_victims(
-        self, req: Request, need_blocks: int, candidates: Sequence[Request]
-    ) -> list[Request]:
-        pool = list(candidates)
-        if req not in pool:
-            pool.append(req)
-        return [min(pool, key=lambda r: (r.generated, -r.seq))]
-
-    def on_step(self) -> None:
-        self.ratio = max(self.min_ratio, self.ratio - self.decay)
-
-
-class PastFuturePolicy(ReserveCurrentPolicy):
-    """LightLLM's Past-Future scheduler (ASPLOS 2025).
-
-    A window of the last ``window`` finished lengths; each running request's final length is
-    sampled from the window's lengths above what it already generated (its hard max when none);
-    the peak KV over the finish points must stay under ``threshold`` of capacity in the worst of
-    K = min(5, window/n + 1) samples; on overflow the most recently admitted request is paused.
-    As in LightLLM, the test is drawn once per scheduling step: a refused head is drawn for again
-    only when the clock or the set of running requests has moved.
-    """
-
-    name: ClassVar[str] = "past-future"
-
-    def __init__(self, *, window: int = 200, threshold: float = 0.95, seed: int = 0) -> None:
-        self.window: deque[int] = deque(maxlen=check_int("window", window, minimum=1))
-        self.threshold = check_float("threshold", threshold, maximum=1.0, open_min=True)
-        self._rng = random.Random(seed)
-        self._sorted: list[int] = []
-        self._dirty = False
-        self._refused: tuple[str, float, int] | None = None
-
-    def on_finished(self, req: Request, length: int) -> None:
-        self.window.append(length)
-        self._dirty = True
-
-    def _sample(self, generated: int, hard_max: int) -> int:
-        import bisect
-
-        if self._dirty:
-            self._sorted = sorted(self.window)
-            self._dirty = False
-        lengths = self._sorted
-        i = bisect.bisect_right(lengths, generated)
-        if i >= len(lengths):
-            return hard_max
-        return min(hard_max, lengths[self._rng.randrange(i, len(lengths))])
-
-    def admit(self, req: Request, blocks: int) -> bool:
-        # LightLLM draws once per scheduling step: a head refused at this instant, with the same
-        # requests running, is not drawn for again until the clock or the running set moves
-        attempt = (req.request_id, self._s.now, len(self._s.live))
-        if attempt == self._refused:
-            return False
-        ok = self._fits_future(req)
-        self._refused = None if ok else attempt
-        return ok
-
-    def _fits_future(self, req: Request) -> bool:
-        from kvbudget.core.lifecycle import STOPPING_STATES
-
-        live = list(self._s.live.values())
-        live.append(req)
-        n = len(live)
-        k = min(5, self.window.maxlen // n + 1 if self.window.maxlen else 1)
-        limit = self.threshold * self._s.capacity.tokens
-        held_elsewhere = (
-            sum(r.blocks for r in self._s.requests.values() if r.state in STOPPING_STATES)
-            * self.block_size
-        )
-        for _ in range(k):
-            futures = sorted(
-                (self._sample(r.generated, r.hard_max) - r.generated, r.prompt + r.generated)
-                for r in live
-            )
-            # at the moment the i-th shortest finishes, every request still running holds its
-            # context plus that many more tokens
-            total_ctx = sum(c for _, c in futures)
-            peak = 0.0
-            remaining_ctx = total_ctx
-            for i, (rest, ctx) in enumerate(futures):
-                usage = remaining_ctx + rest * (n - i)
-                peak = max(peak, usage)
-                remaining_ctx -= ctx
-            if peak + held_elsewhere > limit:
-                return False
-        return True
-
-    def choose_victims(
-        self, req: Request, need_blocks: int, candidates: Sequence[Request]
-    ) -> list[Request]:
-        return _most_recent(req, candidates)
-
-
-class OraclePolicy(BasePolicy):
-    """Knows every request's true output length and reserves exactly that (simulation only).
-
-    ``true_length(request_id)`` returns the length, or None when unknown (then the hard max is
-    reserved, as ``reserve-max`` would).
-    """
-
-    name: ClassVar[str] = "oracle"
-
-    def __init__(self, true_length: Callable[[str], int | None] | None = None) -> None:
-        self.true_length = true_length
-
-    def initial_allowance(self, req: Request) -> int:
-        known = self.true_length(req.request_id) if self.true_length is not None else None
-        if known is None or known <= req.generated:
-            return req.remaining
-        return max(1, min(req.remaining, known - req.generated))
-
-    def extension_tokens(self, req: Request) -> int | None:
-        room = req.hard_max - req.boundary
-        return room if room > 0 else None
-
-
-POLICIES: dict[str, type[BasePolicy]] = {
-    cls.name: cls
-    for cls in (
-        CalibratedPolicy,
-        ReserveMaxPolicy,
-        SegmentedPolicy,
-        ReserveCurrentPolicy,
-        NewTokenRatioPolicy,
-        PastFuturePolicy,
-        OraclePolicy,
-    )
-}
-POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
-
-
-def make_policy(name: str, **kwargs: object) -> Policy:
-    """Build a shipped policy by name (``calibrated``, ``reserve-max``, ...)."""
-    if not isinstance(name, str):
-        raise InvalidInput("policy", name, f"a policy name, one of {', '.join(POLICY_NAMES)}")
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise UnknownPolicy(name, POLICY_NAMES) from None
-    policy: Policy = cls(**kwargs)
-    return policy
-
-
-def resolve_policy(policy: Policy | str | None) -> Policy:
-    if policy is None:
-        return CalibratedPolicy()
-    if isinstance(policy, str):
-        return make_policy(policy)
-    for attr in ("name", "initial_allowance", "on_blocked", "bind"):
-        if not hasattr(policy, attr):
-            raise InvalidInput("policy", policy, f"a Policy (missing {attr!r}) or a policy name")
-    return policy
+__all__ = ["CalibratedPolicy"]

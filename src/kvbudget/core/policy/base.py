@@ -1,0 +1,127 @@
+"""The Policy protocol: the decisions a scheduler delegates (how much to grant, when to grow,
+whom to stop), and :class:`BasePolicy`, the defaults every hook falls back to.
+
+A policy answers a handful of questions; the scheduler owns the mechanism (the ledger, the queue,
+the pool rules, the invariants) and checks every answer, so a policy cannot break an invariant:
+an answer that would is refused with :class:`~kvbudget.errors.PolicyViolation`. A policy reads
+the scheduler only through :class:`~kvbudget.core.view.SchedulerView`, which ``bind`` hands it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from kvbudget.core.lifecycle import Request
+    from kvbudget.core.view import SchedulerView
+
+
+class Blocked(enum.Enum):
+    """What to do with a request stopped at its boundary whose grant cannot grow now."""
+
+    WAIT = "wait"  # hold the grant and wait for blocks to come back
+    PREEMPT_OTHERS = "preempt-others"  # checkpoint victims chosen by ``choose_victims``
+    PREEMPT_SELF = "preempt-self"  # checkpoint this request; it resumes by re-prefill
+    CONTINUE = "continue"  # end with an explicit continuation (only if the request allows it)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """The decisions of a budget policy. See :class:`BasePolicy` for the defaults."""
+
+    @property
+    def name(self) -> str: ...  # read-only: shipped policies set it as a ClassVar
+
+    requeue_front: bool
+    preempt_for_admission: bool
+
+    def bind(self, scheduler: SchedulerView) -> None: ...
+    def headroom_target(self) -> int: ...
+    def protected_blocks(self) -> int: ...
+    def initial_allowance(self, req: Request) -> int: ...
+    def lookahead_tokens(self, req: Request) -> int: ...
+    def extension_tokens(self, req: Request) -> int | None: ...
+    def admit(self, req: Request, blocks: int) -> bool: ...
+    def on_blocked(self, req: Request) -> Blocked: ...
+    def choose_victims(
+        self, req: Request, need_blocks: int, candidates: Sequence[Request]
+    ) -> list[Request]: ...
+    def on_granted(self, req: Request) -> None: ...
+    def on_leave(self, req: Request) -> None: ...
+    def on_finished(self, req: Request, length: int) -> None: ...
+    def on_step(self) -> None: ...
+
+
+class BasePolicy:
+    """Defaults for every hook: no headroom, grant the hard max, never preempt."""
+
+    name: ClassVar[str] = "base"
+    requeue_front: bool = True
+    preempt_for_admission: bool = False
+    _s: SchedulerView
+
+    def bind(self, scheduler: SchedulerView) -> None:
+        self._s = scheduler
+
+    @property
+    def scheduler(self) -> SchedulerView:
+        """The scheduler this policy is bound to, read-only."""
+        return self._s
+
+    @property
+    def block_size(self) -> int:
+        return self._s.capacity.block_size
+
+    def headroom_target(self) -> int:
+        return 0
+
+    def protected_blocks(self) -> int:
+        return 0
+
+    def initial_allowance(self, req: Request) -> int:
+        return req.remaining
+
+    def lookahead_tokens(self, req: Request) -> int:
+        return 0
+
+    def extension_tokens(self, req: Request) -> int | None:
+        return None
+
+    def admit(self, req: Request, blocks: int) -> bool:
+        return True
+
+    def on_blocked(self, req: Request) -> Blocked:
+        return Blocked.CONTINUE if req.spec.on_exhausted == "continue" else Blocked.WAIT
+
+    def choose_victims(
+        self, req: Request, need_blocks: int, candidates: Sequence[Request]
+    ) -> list[Request]:
+        return []
+
+    def on_granted(self, req: Request) -> None:
+        pass
+
+    def on_leave(self, req: Request) -> None:
+        pass
+
+    def on_finished(self, req: Request, length: int) -> None:
+        pass
+
+    def on_step(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _most_recent(req: Request, candidates: Sequence[Request]) -> list[Request]:
+    """vLLM/LightLLM victim: the most recently admitted running request (maybe ``req`` itself)."""
+    pool = list(candidates)
+    if req not in pool:
+        pool.append(req)
+    return [max(pool, key=lambda r: r.seq)]
+
+
+__all__ = ["BasePolicy", "Blocked", "Policy"]
