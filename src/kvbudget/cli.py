@@ -137,7 +137,7 @@ def _positive_int(text: str) -> int:
 @subcommand("simulate")
 def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from kvbudget.core.policy import POLICY_NAMES
-    from kvbudget.sim.engine import (
+    from kvbudget.sim.engine_model import (
         DEFAULT_ABORT_LATENCY_S,
         DEFAULT_BLOCK_SIZE,
         DEFAULT_CAPACITY_BLOCKS,
@@ -289,7 +289,7 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def _engine_from(args: argparse.Namespace) -> Any:
     from kvbudget.core.cost import DEFAULT_STEP_TIME
     from kvbudget.core.model import Capacity
-    from kvbudget.sim.engine import EngineModel
+    from kvbudget.sim.engine_model import EngineModel
 
     step = DEFAULT_STEP_TIME
     changes: dict[str, float] = {}

@@ -8,6 +8,7 @@ carries the fields a caller needs to act on it (``field``/``expected`` for bad i
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -184,3 +185,39 @@ class BudgetClosed(KvBudgetError):
 
     def __init__(self) -> None:
         super().__init__("the budget is closed")
+
+
+class RequestAborted(KvBudgetError):
+    """A durable request was aborted through :meth:`BudgetedEngine.abort`."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        super().__init__(f"request {request_id!r} was aborted")
+
+
+class SimulationError(KvBudgetError, RuntimeError):
+    """The simulation could not finish (a request never ended) or broke its own accounting."""
+
+
+class TraceFormatError(InvalidInput):
+    """A trace file that cannot be read as the format it claims to be.
+
+    ``path`` is the file, ``line`` the 1-based line number (the CSV header is line 1),
+    ``column`` the CSV column or JSON field at fault, ``expected`` what is accepted there and
+    ``got`` what the file holds.
+    """
+
+    def __init__(self, path: str | Path, line: int, column: str, expected: str, got: Any) -> None:
+        super().__init__(column, got, expected)
+        self.path = str(path)
+        self.line = line
+        self.column = column
+        self.got = got
+        shown = got if isinstance(got, str) else repr(got)
+        if isinstance(shown, str) and len(shown) > 80:
+            shown = shown[:77] + "..."
+        message = f"{self.path}:{line}: column {column!r}: expected {expected}, got {shown!r}"
+        self.args = (message,)
+
+    def __str__(self) -> str:
+        return str(self.args[0])

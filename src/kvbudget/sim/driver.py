@@ -79,7 +79,8 @@ from kvbudget.core.lengths import LengthModel
 from kvbudget.core.policy import OraclePolicy, Policy, make_policy
 from kvbudget.core.scheduler import Scheduler, SchedulerConfig
 from kvbudget.errors import HardLimitExceeded, InvalidInput
-from kvbudget.sim.engine import EngineModel
+from kvbudget.errors import SimulationError as SimulationError
+from kvbudget.sim.engine_model import EngineModel
 from kvbudget.sim.report import PolicyResult, with_oracle_ratio
 from kvbudget.sim.scenario import Scenario, SimRequest
 
@@ -97,10 +98,6 @@ _DONE = 6
 _ENDS = ("completed", "rejected", "abandoned", "continued", "failed")
 _MAX_SERIES = 2000
 _ITL_RES = 10000.0  # histogram resolution: 0.1 ms
-
-
-class SimulationError(RuntimeError):
-    """The simulation could not finish (a request never ended) or broke its own accounting."""
 
 
 class _Req:

