@@ -39,6 +39,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from kvbudget.core import events as ev
 from kvbudget.core.ledger import Request, State
+from kvbudget.core.lifecycle import LIVE_STATES, QUEUED_STATES, STOPPING_STATES, TERMINAL_STATES
 from kvbudget.core.model import Capacity, Checkpoint, RequestSpec, ServiceClass, check_float
 from kvbudget.core.scheduler import Scheduler, SchedulerConfig
 from kvbudget.core.stats import Snapshot
@@ -69,9 +70,9 @@ log = get_logger("kvbudget")
 ShutdownMode = Literal["drain", "cancel"]
 Outcome = Literal["completed", "cancelled", "rejected", "failed", "continued"]
 
-_LIVE = (State.ADMITTED, State.RUNNING, State.EXTENDING)
-_STOPPED = (State.RELEASING, State.PREEMPTING)
-_WAITING = (State.QUEUED, State.CHECKPOINTED)
+_LIVE = LIVE_STATES
+_STOPPED = STOPPING_STATES
+_WAITING = QUEUED_STATES
 
 
 @attrs.frozen(slots=True)
@@ -340,7 +341,7 @@ class Lease:
             return None
         self._ended = True
         req = self._req
-        if req is None or req.state in (State.RELEASED, State.REJECTED):
+        if req is None or req.state in TERMINAL_STATES:
             self._budget._leases.pop(self.request_id, None)
             return None
         return req
@@ -358,7 +359,7 @@ class Lease:
             # this attempt was never handed to the caller: the engine never saw it
             actions.extend(budget._sched.confirm_release(self.request_id, now))
         budget._apply(actions)
-        if req.state in (State.RELEASED, State.REJECTED):
+        if req.state in TERMINAL_STATES:
             budget._leases.pop(self.request_id, None)
 
     # -- ending --------------------------------------------------------------------------------

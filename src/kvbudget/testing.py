@@ -65,8 +65,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvbudget.core import events as ev
-from kvbudget.core.ledger import State
 from kvbudget.core.lengths import LengthModel
+from kvbudget.core.lifecycle import LIVE_STATES, State
 from kvbudget.core.model import (
     DEFAULT_CLASSES,
     Capacity,
@@ -300,7 +300,7 @@ class _Shadow:
         return self.ends[0] if self.ends else None
 
 
-_LIVE_STATES = (State.ADMITTED, State.RUNNING, State.EXTENDING)
+_LIVE_STATES = LIVE_STATES
 _TICKS = (0.01, 0.1, 0.5, 1.2, 2.5, 10.0, 700.0)
 
 

@@ -99,8 +99,18 @@ def fraction(*, name: str | None = None) -> Validator:
 
 
 def seconds(*, name: str | None = None) -> Validator:
-    """A finite duration > 0."""
+    """A finite duration > 0 (seconds)."""
+    return positive(name=name)
+
+
+def positive(*, name: str | None = None) -> Validator:
+    """A finite number > 0."""
     return number(0.0, open_min=True, name=name)
+
+
+def nonnegative(*, name: str | None = None) -> Validator:
+    """A finite number >= 0."""
+    return number(0.0, name=name)
 
 
 def optional(validator: Validator) -> Validator:
@@ -151,9 +161,11 @@ __all__ = [
     "check_int",
     "fraction",
     "integer",
+    "nonnegative",
     "number",
     "one_of",
     "optional",
+    "positive",
     "quantile",
     "seconds",
     "text",

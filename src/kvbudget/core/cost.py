@@ -46,6 +46,7 @@ import attrs
 
 from kvbudget.core.model import check_float, check_int
 from kvbudget.errors import InvalidInput
+from kvbudget.validate import nonnegative
 
 __all__ = ["DEFAULT_STEP_TIME", "CostModel", "StepTimeModel"]
 
@@ -57,13 +58,6 @@ def _to_float(value: Any) -> Any:
     return float(value)
 
 
-def _nonneg_seconds(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        check_float(field, value, minimum=0.0)
-
-    return validate
-
-
 @attrs.frozen(slots=True)
 class StepTimeModel:
     """Linear engine step time, in seconds.
@@ -73,13 +67,13 @@ class StepTimeModel:
     ``prefill_time(t) = prefill_per_token_s * t``. All coefficients are finite and >= 0.
     """
 
-    fixed_s: float = attrs.field(converter=_to_float, validator=_nonneg_seconds("fixed_s"))
-    per_seq_s: float = attrs.field(converter=_to_float, validator=_nonneg_seconds("per_seq_s"))
+    fixed_s: float = attrs.field(converter=_to_float, validator=nonnegative())
+    per_seq_s: float = attrs.field(converter=_to_float, validator=nonnegative())
     per_context_token_s: float = attrs.field(
-        converter=_to_float, validator=_nonneg_seconds("per_context_token_s")
+        converter=_to_float, validator=nonnegative(name="per_context_token_s")
     )
     prefill_per_token_s: float = attrs.field(
-        converter=_to_float, validator=_nonneg_seconds("prefill_per_token_s")
+        converter=_to_float, validator=nonnegative(name="prefill_per_token_s")
     )
 
     def decode_time(self, batch_size: int, context_tokens: int) -> float:

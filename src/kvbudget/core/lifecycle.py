@@ -309,6 +309,19 @@ def transition_table_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+def outcome_table_markdown() -> str:
+    """:data:`OUTCOME_EFFECTS` as a Markdown table, for the docs."""
+    lines = [
+        "| outcome | counter | counted | its generated tokens count as wasted |",
+        "| --- | --- | --- | --- |",
+    ]
+    for outcome, effect in OUTCOME_EFFECTS.items():
+        when = "when the engine confirms the release" if effect.at_release else "at the stop"
+        wasted = "yes" if effect.wastes_output else "no"
+        lines.append(f"| {outcome.value} | `{effect.counter}` | {when} | {wasted} |")
+    return "\n".join(lines) + "\n"
+
+
 __all__ = [
     "HOLDING_STATES",
     "LIVE_STATES",
@@ -325,6 +338,7 @@ __all__ = [
     "check_transition",
     "count_release",
     "first_token",
+    "outcome_table_markdown",
     "settle",
     "transition",
     "transition_table_markdown",

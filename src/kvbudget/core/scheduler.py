@@ -74,8 +74,11 @@ from kvbudget.errors import (
 _NOTHING: tuple[ev.Action, ...] = ()
 _LIVE = LIVE_STATES
 # module-level aliases: enum attribute look-ups are slow on the per-token path
-_ADMITTED, _RUNNING, _EXTENDING = State.ADMITTED, State.RUNNING, State.EXTENDING
-_RELEASING, _PREEMPTING = State.RELEASING, State.PREEMPTING
+_ADMITTED = State.ADMITTED
+_RUNNING = State.RUNNING
+_EXTENDING = State.EXTENDING
+_RELEASING = State.RELEASING
+_PREEMPTING = State.PREEMPTING
 
 
 class Scheduler:

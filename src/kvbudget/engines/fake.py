@@ -39,25 +39,12 @@ from kvbudget.core.cost import StepTimeModel
 from kvbudget.core.model import Capacity, Checkpoint, blocks_for, check_float, check_int
 from kvbudget.engines.base import EngineStep, split_engine_request_id
 from kvbudget.errors import EngineDead, EngineError, InvalidInput
+from kvbudget.validate import fraction, nonnegative
 
 #: ~1 ms per decode step, +1 µs per running sequence, no context or prefill cost
 DEFAULT_SIM_STEP = StepTimeModel(
     fixed_s=1e-3, per_seq_s=1e-6, per_context_token_s=0.0, prefill_per_token_s=0.0
 )
-
-
-def _prob(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        check_float(field, value, minimum=0.0, maximum=1.0)
-
-    return validate
-
-
-def _seconds(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        check_float(field, value, minimum=0.0)
-
-    return validate
 
 
 def _optional_steps(_inst: object, _attr: object, value: Any) -> None:
@@ -78,15 +65,15 @@ class Faults:
     per step, the step takes ``stall_s`` seconds instead.
     """
 
-    release_delay_p: float = attrs.field(default=0.0, validator=_prob("release_delay_p"))
-    release_delay_s: float = attrs.field(default=0.0, validator=_seconds("release_delay_s"))
-    lost_confirm_p: float = attrs.field(default=0.0, validator=_prob("lost_confirm_p"))
-    duplicate_confirm_p: float = attrs.field(default=0.0, validator=_prob("duplicate_confirm_p"))
-    duplicate_delay_s: float = attrs.field(default=0.005, validator=_seconds("duplicate_delay_s"))
-    error_p: float = attrs.field(default=0.0, validator=_prob("error_p"))
+    release_delay_p: float = attrs.field(default=0.0, validator=fraction())
+    release_delay_s: float = attrs.field(default=0.0, validator=nonnegative())
+    lost_confirm_p: float = attrs.field(default=0.0, validator=fraction())
+    duplicate_confirm_p: float = attrs.field(default=0.0, validator=fraction())
+    duplicate_delay_s: float = attrs.field(default=0.005, validator=nonnegative())
+    error_p: float = attrs.field(default=0.0, validator=fraction())
     die_after_steps: int | None = attrs.field(default=None, validator=_optional_steps)
-    stall_p: float = attrs.field(default=0.0, validator=_prob("stall_p"))
-    stall_s: float = attrs.field(default=1.0, validator=_seconds("stall_s"))
+    stall_p: float = attrs.field(default=0.0, validator=fraction())
+    stall_s: float = attrs.field(default=1.0, validator=nonnegative())
 
 
 NO_FAULTS = Faults()

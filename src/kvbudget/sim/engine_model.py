@@ -47,8 +47,9 @@ from typing import Any, Final
 import attrs
 
 from kvbudget.core.cost import DEFAULT_STEP_TIME, StepTimeModel
-from kvbudget.core.model import Capacity, check_float, check_int
+from kvbudget.core.model import Capacity, check_int
 from kvbudget.errors import InvalidInput
+from kvbudget.validate import nonnegative, positive
 
 __all__ = [
     "DEFAULT_ABORT_LATENCY_S",
@@ -84,20 +85,6 @@ def _check_step(_inst: object, _attr: object, value: Any) -> None:
         raise InvalidInput("step", value, "a kvbudget.core.cost.StepTimeModel")
 
 
-def _nonneg(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        check_float(field, value, minimum=0.0)
-
-    return validate
-
-
-def _positive(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        check_float(field, value, minimum=0.0, open_min=True)
-
-    return validate
-
-
 def _int_min(field: str, minimum: int) -> Any:
     def validate(_inst: object, _attr: object, value: Any) -> None:
         check_int(field, value, minimum=minimum)
@@ -115,13 +102,13 @@ class EngineModel:
     )
     step: StepTimeModel = attrs.field(default=DEFAULT_STEP_TIME, validator=_check_step)
     abort_latency_s: float = attrs.field(
-        default=DEFAULT_ABORT_LATENCY_S, validator=_nonneg("abort_latency_s")
+        default=DEFAULT_ABORT_LATENCY_S, validator=nonnegative(name="abort_latency_s")
     )
     max_batch: int = attrs.field(default=DEFAULT_MAX_BATCH, validator=_int_min("max_batch", 1))
     prefill_chunk_tokens: int = attrs.field(
         default=DEFAULT_PREFILL_CHUNK_TOKENS, validator=_int_min("prefill_chunk_tokens", 1)
     )
-    tick_s: float = attrs.field(default=DEFAULT_TICK_S, validator=_positive("tick_s"))
+    tick_s: float = attrs.field(default=DEFAULT_TICK_S, validator=positive())
 
     def step_time(self, batch_size: int, context_tokens: int, prefill_tokens: int) -> float:
         """Seconds of one iteration: a decode step plus ``prefill_tokens`` of prefill."""

@@ -49,10 +49,10 @@ from kvbudget.core.model import (
     RequestSpec,
     ServiceClass,
     check_float,
-    check_int,
 )
 from kvbudget.errors import InvalidInput
 from kvbudget.sim.workload import Workload
+from kvbudget.validate import fraction, integer, nonnegative, positive, text
 
 __all__ = [
     "DEFAULT_SAMPLING_PROFILES",
@@ -109,42 +109,6 @@ def _profiles(field: str) -> Any:
     return validate
 
 
-def _fraction(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        check_float(field, value, minimum=0.0, maximum=1.0)
-
-    return validate
-
-
-def _positive_float(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        check_float(field, value, minimum=0.0, open_min=True)
-
-    return validate
-
-
-def _nonneg_float(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        check_float(field, value, minimum=0.0)
-
-    return validate
-
-
-def _int_at_least(field: str, minimum: int) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        check_int(field, value, minimum=minimum)
-
-    return validate
-
-
-def _name(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        if not isinstance(value, str) or not value:
-            raise InvalidInput(field, value, "a non-empty string")
-
-    return validate
-
-
 def _to_wave(value: Any) -> Any:
     if isinstance(value, Mapping):
         return _from_mapping(Wave, value, "wave")
@@ -171,11 +135,11 @@ class Wave:
     ``rate_scale`` has compressed the trace's arrivals.
     """
 
-    at_s: float = attrs.field(default=60.0, validator=_nonneg_float("wave.at_s"))
-    count: int = attrs.field(default=64, validator=_int_at_least("wave.count", 1))
-    output_tokens: int = attrs.field(default=2000, validator=_int_at_least("wave.output_tokens", 1))
-    prompt_tokens: int = attrs.field(default=512, validator=_int_at_least("wave.prompt_tokens", 1))
-    spread_s: float = attrs.field(default=1.0, validator=_nonneg_float("wave.spread_s"))
+    at_s: float = attrs.field(default=60.0, validator=nonnegative(name="wave.at_s"))
+    count: int = attrs.field(default=64, validator=integer(1, name="wave.count"))
+    output_tokens: int = attrs.field(default=2000, validator=integer(1, name="wave.output_tokens"))
+    prompt_tokens: int = attrs.field(default=512, validator=integer(1, name="wave.prompt_tokens"))
+    spread_s: float = attrs.field(default=1.0, validator=nonnegative(name="wave.spread_s"))
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -202,20 +166,20 @@ class Scenario:
     ``wave``: an optional synchronized burst (:class:`Wave`). ``seed``: the overlay's seed.
     """
 
-    seed: int = attrs.field(default=0, validator=_int_at_least("seed", -(2**63)))
-    interactive_share: float = attrs.field(default=0.7, validator=_fraction("interactive_share"))
+    seed: int = attrs.field(default=0, validator=integer(-(2**63)))
+    interactive_share: float = attrs.field(default=0.7, validator=fraction())
     tenants: Profiles = attrs.field(
         default=DEFAULT_TENANTS, converter=_to_profiles, validator=_profiles("tenants")
     )
     interactive_max_tokens: int = attrs.field(
-        default=2048, validator=_int_at_least("interactive_max_tokens", 1)
+        default=2048, validator=integer(1, name="interactive_max_tokens")
     )
     batch_max_tokens: int = attrs.field(
-        default=4096, validator=_int_at_least("batch_max_tokens", 1)
+        default=4096, validator=integer(1, name="batch_max_tokens")
     )
-    model_max_len: int = attrs.field(default=8192, validator=_int_at_least("model_max_len", 2))
-    model: str = attrs.field(default="default", validator=_name("model"))
-    task: str = attrs.field(default="default", validator=_name("task"))
+    model_max_len: int = attrs.field(default=8192, validator=integer(2))
+    model: str = attrs.field(default="default", validator=text())
+    task: str = attrs.field(default="default", validator=text())
     sampling_profiles: Profiles = attrs.field(
         default=DEFAULT_SAMPLING_PROFILES,
         converter=_to_profiles,
@@ -224,16 +188,16 @@ class Scenario:
     stop_profiles: Profiles = attrs.field(
         default=DEFAULT_STOP_PROFILES, converter=_to_profiles, validator=_profiles("stop_profiles")
     )
-    ttft_slo_s: float = attrs.field(default=2.0, validator=_positive_float("ttft_slo_s"))
-    itl_floor_s: float = attrs.field(default=0.2, validator=_positive_float("itl_floor_s"))
+    ttft_slo_s: float = attrs.field(default=2.0, validator=positive())
+    itl_floor_s: float = attrs.field(default=0.2, validator=positive())
     batch_deadline_s: float = attrs.field(
-        default=600.0, validator=_positive_float("batch_deadline_s")
+        default=600.0, validator=positive(name="batch_deadline_s")
     )
-    abandon_share: float = attrs.field(default=0.1, validator=_fraction("abandon_share"))
-    abandon_mean_s: float = attrs.field(default=5.0, validator=_nonneg_float("abandon_mean_s"))
-    durable_share: float = attrs.field(default=0.5, validator=_fraction("durable_share"))
-    continue_share: float = attrs.field(default=0.0, validator=_fraction("continue_share"))
-    rate_scale: float = attrs.field(default=1.0, validator=_positive_float("rate_scale"))
+    abandon_share: float = attrs.field(default=0.1, validator=fraction())
+    abandon_mean_s: float = attrs.field(default=5.0, validator=nonnegative())
+    durable_share: float = attrs.field(default=0.5, validator=fraction())
+    continue_share: float = attrs.field(default=0.0, validator=fraction())
+    rate_scale: float = attrs.field(default=1.0, validator=positive())
     wave: Wave | None = attrs.field(default=None, converter=_to_wave, validator=_check_wave)
 
     def max_tokens_for(self, service_class: str) -> int:
