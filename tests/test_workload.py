@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import time
 from itertools import pairwise
 from pathlib import Path
 
@@ -291,9 +290,7 @@ def test_synthetic_is_deterministic_per_seed() -> None:
 
 
 def test_synthetic_default_size_and_duration() -> None:
-    start = time.perf_counter()
     w = synthetic_workload()
-    assert time.perf_counter() - start < 1.0
     assert 2000 <= len(w.requests) <= 4000
     assert 180.0 <= w.duration_s <= 300.0
     assert w.requests[0].arrival_s == 0.0
