@@ -1,8 +1,11 @@
 """The sans-I/O core: pure, synchronous, deterministic. No asyncio, no clock reads, no logging.
 
-``model`` (value types), ``ledger`` (blocks and the lifecycle table), ``lengths`` (calibrated
-output-length model), ``cost`` (decode-step cost model), ``policy`` (decisions), ``scheduler``
-(events in, actions out), ``stats`` (counters and the snapshot).
+``model`` and ``resume`` (value types), ``events`` (events in, actions out), ``lifecycle``
+(states, the transition table, each outcome's bookkeeping), ``ledger`` (blocks and pools),
+``queue`` (class queues, tenant fairness), ``forecast`` (waits, expiries, retry-after),
+``lengths`` (calibrated output-length model), ``cost`` (step-cost model), ``view`` (what policies
+read), ``policy`` (decisions), ``config`` and ``scheduler`` (the passes), ``stats`` (counters and
+the snapshot). docs/architecture.md draws the imports.
 """
 
 from kvbudget.core.cost import CostModel, StepTimeModel

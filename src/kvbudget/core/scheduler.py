@@ -1,28 +1,37 @@
-"""The scheduler: events in, actions out. Every decision kvbudget makes is taken here, once.
+"""The scheduler: events in, actions out. It owns the passes; the rules it applies live in the
+modules it uses, once each.
 
 Theory of operation
 -------------------
 A shell calls :meth:`Scheduler.handle` with an event (or the equivalent direct method, which the
-hot path uses to avoid allocating an event) and carries out the returned actions. After anything
-that may have freed blocks or changed demand, :meth:`_pump` runs three passes:
+hot path uses to avoid allocating an event) and carries out the returned actions. One method per
+event: :meth:`arrive`, :meth:`charge` (the O(1) per-token path), :meth:`boundary_reached`,
+:meth:`finish`, :meth:`cancel`, :meth:`fail`, :meth:`confirm_release`, :meth:`observe_step`,
+:meth:`tick`, :meth:`reconcile`. After anything that may have freed blocks or changed demand,
+:meth:`_pump` runs three passes:
 
-1. *extensions*: requests that asked to grow (ahead of their boundary, or stopped at it) are
-   served first, protected classes first, from free blocks under the pool rules of the ledger;
-   a request stopped at its boundary that still cannot grow is handed to the policy, which says
-   wait, preempt others (victims chosen by the policy, their cost carried in the action),
-   checkpoint itself, or end with a continuation (only if the request allowed it);
-2. *admissions*: queued requests in class-priority order and, within a class, weighted stride
-   order across tenants; each needs its grant to fit the admission budget (leaving the headroom
-   target free), the policy's own gate, the concurrency cap and the latency floor of active
-   streams. A protected head that does not fit may take the headroom beyond its protected part:
-   at once while no extension waits and the policy's gate allows it, otherwise at its last
-   responsible moment, before any batch work is checkpointed for it;
-3. *progress*: if requests wait at their boundaries and nothing else runs or is being released,
-   one of them is checkpointed so the rest can move (no silent truncation, no deadlock).
+1. *extensions* (:meth:`_serve_extensions`): requests that asked to grow (ahead of their
+   boundary, or stopped at it) are served first, protected classes first, from free blocks under
+   the pool rules of the ledger; a request stopped at its boundary that still cannot grow is
+   handed to the policy, which says wait, preempt others (victims chosen by the policy, their
+   cost carried in the action), checkpoint itself, or end with a continuation (only if the
+   request allowed it);
+2. *admissions* (:meth:`_admit`): queue heads in class-priority order and, within a class,
+   weighted stride order across tenants (:mod:`~kvbudget.core.queue`); each needs its grant to
+   fit the admission budget and to pass the gates (:meth:`_may_admit`: the policy's own, the
+   concurrency cap, the latency floor of active streams). A protected head that does not fit
+   may take the headroom beyond its protected part, or checkpoint batch work for it at its last
+   responsible moment (:meth:`_protected_head_room`);
+3. *progress* (:meth:`_ensure_progress`): if requests wait at their boundaries and nothing else
+   runs or is being released, the most important grows from what is free, else the least
+   important that can resume is checkpointed (no silent truncation, no deadlock).
 
-Arrivals are turned away at once (:class:`Reject`) when the queue ahead of them cannot be admitted
-before their deadline or queue-delay bound, estimated from the recent block release rate, or when
-the queue is at its bound.
+Where the rules live: states, transitions and each outcome's bookkeeping in
+:mod:`~kvbudget.core.lifecycle`; blocks and pools in :mod:`~kvbudget.core.ledger`; waits,
+expiries, retry-after and first-token lateness in :mod:`~kvbudget.core.forecast` (arrivals are
+turned away at once when the queue ahead cannot be admitted within their bound); decisions in
+the policy (:mod:`~kvbudget.core.policy`), which reads the scheduler through
+:class:`~kvbudget.core.view.SchedulerView`; counters in :mod:`~kvbudget.core.stats`.
 """
 
 from __future__ import annotations
