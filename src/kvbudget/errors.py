@@ -4,6 +4,8 @@ All errors derive from :class:`KvBudgetError`. Input errors also derive from ``V
 ``KeyError`` for unknown names) so that code catching the builtin kinds keeps working. Each error
 carries the fields a caller needs to act on it (``field``/``expected`` for bad input,
 ``retry_after`` for overload, the checkpoint or continuation for preemption and continuation).
+(Two private control-flow signals never leave the library and live beside their one use: the
+vLLM adapter's caller abort and the shell's superseded wait.)
 """
 
 from __future__ import annotations
