@@ -20,7 +20,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvbudget.core import events as ev
 from kvbudget.core.config import SchedulerConfig
 from kvbudget.core.lengths import LengthModel
-from kvbudget.core.lifecycle import LIVE_STATES, State
 from kvbudget.core.model import (
     DEFAULT_CLASSES,
     Capacity,
@@ -41,6 +40,7 @@ from kvbudget.errors import (
     UnknownClass,
     UnknownRequest,
 )
+from kvbudget.testing import invariants as inv
 from kvbudget.testing.strategies import (
     NamedPolicyFactory,
     PolicyFactory,
@@ -295,12 +295,8 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 assert sh.generated < a.boundary <= hard, (a, sh.generated, hard)
                 assert a.blocks == blocks_for(prompt + a.boundary + self.slack, cap.block_size), a
                 free -= a.blocks
-                assert free >= 0, f"{a!r} over-commits: free would be {free} (inv. 1)"
-                if not sh.cls.protected:
-                    assert free >= s.ledger.protected_blocks, (
-                        f"{a!r} of unprotected {sh.rid} leaves {free} < protected "
-                        f"{s.ledger.protected_blocks} free blocks (inv. 5)"
-                    )
+                inv.grant_fits(a, free)
+                inv.protected_headroom_kept(s, sh, a, free)
                 sh.phase = "running"
                 sh.boundary = a.boundary
                 sh.blocks = a.blocks
@@ -312,12 +308,8 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 assert a.blocks == blocks_for(prompt + a.boundary + self.slack, cap.block_size), a
                 assert a.blocks >= sh.blocks, a
                 free -= a.blocks - sh.blocks
-                assert free >= 0, f"{a!r} over-commits: free would be {free} (inv. 1)"
-                if not sh.cls.protected:
-                    assert free >= s.ledger.protected_blocks, (
-                        f"{a!r} of unprotected {sh.rid} leaves {free} < protected "
-                        f"{s.ledger.protected_blocks} free blocks (inv. 5)"
-                    )
+                inv.grant_fits(a, free)
+                inv.protected_headroom_kept(s, sh, a, free)
                 sh.boundary = a.boundary
                 sh.blocks = a.blocks
             elif isinstance(a, ev.Deny):
@@ -785,86 +777,23 @@ class BudgetStateMachine(RuleBasedStateMachine):
         self._ok = True
 
     def verify(self) -> None:
-        """Check DESIGN §4 against the shadow model (see the module docstring)."""
+        """Check DESIGN §4 against the shadow model (see :mod:`kvbudget.testing.invariants`)."""
         s = self.sched
-        led = s.ledger
-        cap = s.capacity
-        bs = cap.block_size
-        slack = self.slack
-        # 1. blocks add up, from the harness's own account
-        held = sum(sh.blocks for sh in self.shadows.values())
-        assert held == led.reserved, (
-            f"harness sees {held} blocks granted, ledger {led.reserved} (inv. 1)"
-        )
-        assert 0 <= led.reserved <= cap.blocks, (led.reserved, cap.blocks)
-        assert led.reserved + led.free == cap.blocks
         snap = s.snapshot()
-        assert snap.reserved_blocks == held and snap.free_blocks == cap.blocks - held
-        counts = {p: 0 for p in ("queued", "running", "stopped", "checkpointed")}
-        stale_ledger = 0
-        unconf = 0
-        for sh in self.shadows.values():
-            prompt, hard = sh.spec.prompt_tokens, sh.spec.hard_max
-            req = s.requests.get(sh.rid)
-            if sh.phase in counts:
-                counts[sh.phase] += 1
-            # the core's state matches what the harness saw
-            if sh.phase in ("ended", "rejected"):
-                assert req is None, f"{sh.rid} is {sh.phase} but the core still has {req!r}"
-                assert sh.blocks == 0
-                continue
-            assert req is not None, f"{sh.rid} ({sh.phase}) is unknown to the core"
-            assert req.blocks == sh.blocks, (req, sh.blocks)
-            # 2. hard max
-            assert sh.generated <= hard and req.generated == sh.generated, (req, sh.generated)
-            assert req.boundary <= hard, req
-            assert sh.blocks <= blocks_for(prompt + hard + slack, bs), (
-                f"{sh.rid} holds {sh.blocks} blocks, more than its hard max needs (inv. 2)"
-            )
-            if sh.phase == "running":
-                assert req.state in LIVE_STATES, (req, sh.phase)
-            elif sh.phase == "stopped":
-                want = (
-                    State.PREEMPTING
-                    if sh.stop_kind == "preempt" and sh.end is None
-                    else State.RELEASING
-                )
-                assert req.state is want, (req, want)
-                stale_ledger += sh.blocks
-                unconf += sh.unconfirmed
-                assert req.unconfirmed == sh.unconfirmed, (
-                    f"{req!r}: unconfirmed={req.unconfirmed}, harness says {sh.unconfirmed} "
-                    "(inv. 4)"
-                )
-            elif sh.phase == "queued":
-                assert req.state is State.QUEUED, req
-            else:
-                assert req.state is State.CHECKPOINTED, req
-            if sh.phase in ("running", "stopped"):
-                # 3. tokens stay inside the grant and its slack; blocks cover the tokens
-                assert sh.blocks > 0, (
-                    req,
-                    "a stopped request lost its blocks unconfirmed (inv. 4)",
-                )
-                assert sh.generated <= sh.boundary + slack, (req, sh.boundary, slack)
-                assert sh.blocks >= blocks_for(prompt + sh.generated, bs), req
-                assert req.boundary == sh.boundary, (req, sh.boundary)
-            else:
-                # 7. queued and checkpointed requests cost nothing
-                assert sh.blocks == 0 and req.blocks == 0, req
-        # 4. the KV the engine really still holds for stopped requests is still charged
-        stale_engine = sum(self.stale.values())
-        assert stale_engine <= stale_ledger, (
-            f"the engine still holds {stale_engine} blocks of stopped requests, the ledger "
-            f"charges only {stale_ledger} (inv. 4)"
+        shadows = self.shadows.values()
+        inv.reserved_within_capacity(s, snap, shadows)  # 1
+        inv.core_matches_shadow(
+            s,
+            snap,
+            shadows,
+            admitted=self.n_admits,
+            preempted=self.n_preempts,
+            rejected=self.n_rejects,
         )
-        assert snap.active == counts["running"] == s.active, (snap.active, counts)
-        assert snap.queued == counts["queued"] + counts["checkpointed"], (snap.queued, counts)
-        assert snap.releasing == counts["stopped"], (snap.releasing, counts)
-        assert snap.unconfirmed_releasing == unconf, (snap.unconfirmed_releasing, unconf)
-        assert snap.totals.admitted == self.n_admits, (snap.totals.admitted, self.n_admits)
-        assert snap.totals.preemptions == self.n_preempts
-        assert snap.totals.rejected == self.n_rejects, (snap.totals.rejected, self.n_rejects)
+        inv.within_hard_max(s, shadows, self.slack)  # 2
+        inv.tokens_within_grant(s, shadows, self.slack)  # 3
+        inv.stopped_blocks_wait_for_confirmation(s, snap, shadows, self.stale)  # 4
+        inv.idle_requests_cost_nothing(s, shadows)  # 7
 
     # -- teardown: drive everything to completion ---------------------------------------------
 
@@ -942,13 +871,4 @@ class BudgetStateMachine(RuleBasedStateMachine):
         self.verify()
         assert s.ledger.reserved == 0, f"{s.ledger.reserved} blocks still reserved after drain"
         assert s.active == 0 and s.queued() == 0 and s.releasing == 0 and not s.requests
-        for sh in self.shadows.values():
-            if sh.admitted:
-                assert len(sh.ends) == 1, f"{sh.rid} ended {sh.ends} (inv. 6)"
-            # no silent truncation: a request that stopped short of its true length says why
-            if sh.end == "completed":
-                assert sh.generated == sh.true_len or sh.generated == sh.spec.hard_max, sh
-            elif sh.end == "continued":
-                assert "Continue" in sh.actions, sh
-            elif sh.end == "failed":
-                assert {"Abort", "Reject", "sent:fail"} & set(sh.actions), sh
+        inv.ended_exactly_once(self.shadows.values())  # 6
