@@ -1,83 +1,34 @@
-"""Property-test harness for kvbudget policies: hypothesis strategies and a state machine.
+"""The state machine: the engine and the clients, played against a Scheduler.
 
-Run it on your own policy (or a change to a shipped one) to check that the scheduler still keeps
-every invariant of DESIGN §4 whatever the engine and the clients do::
-
-    from kvbudget.testing import BudgetStateMachine
-    from my_pkg import MyPolicy          # subclass of kvbudget.core.policy.CalibratedPolicy
-
-    TestMyPolicy = BudgetStateMachine.for_policy(lambda true_length: MyPolicy()).TestCase
-
-``pytest`` collects ``TestMyPolicy`` like any ``unittest.TestCase``; tune it with
-``TestMyPolicy.settings = hypothesis.settings(max_examples=..., stateful_step_count=...)``.
-
-Strategies
-----------
-:func:`request_specs` (valid :class:`~kvbudget.core.model.RequestSpec` values),
-:func:`capacities`, :func:`workloads` (lists of :class:`WorkloadItem`: an arrival with its true
-output length), :func:`policies` (a :class:`PolicyFactory` for every shipped policy; the oracle
-is wired to the true lengths the harness draws).
-
-The state machine
------------------
-:class:`BudgetStateMachine` plays the engine and the clients against a
-:class:`~kvbudget.core.scheduler.Scheduler`. Its rules send arrivals (valid and invalid specs),
-generate tokens (only inside the grant, its reserved slack and the hard max), attempt charges
-past the hard max or the grant (the typed error must come back and nothing may change), report
-boundaries, finishes (``stop`` at the true length, ``length`` at the hard max), cancellations,
-engine failures, and the engine freeing stopped requests, whose confirmation is sent at once,
-delayed, lost (then recovered by :meth:`~kvbudget.core.scheduler.Scheduler.reconcile` from the
-harness's own engine model) or duplicated (the second must raise and change nothing). Time
-advances with ``tick``; engine steps are observed; events for unknown requests must raise.
-
-The harness keeps its own shadow of every request (what it sent, what the engine holds, which
-actions it received) and after every step checks DESIGN §4 against the scheduler without
-trusting the ledger's bookkeeping:
-
-1. blocks the harness saw granted (Admit/Extend minus Released) add up to ``ledger.reserved``,
-   which is ``<= capacity`` and ``reserved + free == capacity``;
-2. no request generates past its hard max, no boundary passes it, no grant holds more than
-   ``blocks_for(prompt + hard_max + slack)`` blocks (a grant is exactly
-   ``blocks_for(prompt + boundary + slack)``), and a spec with no room is refused at construction;
-3. every holding request has ``generated <= boundary + slack`` and
-   ``blocks >= blocks_for(prompt + generated)``;
-4. a stopped request keeps its blocks until the harness confirms it (or reconciliation releases
-   it, and then the KV the engine really still holds for stopped requests never exceeds what the
-   ledger still charges for them); stops unconfirmed after the timeout are counted;
-5. no grant or extension of an unprotected class leaves ``free < protected_blocks`` (checked at
-   the point of each Admit/Extend, replaying the action list);
-6. every admitted request ends exactly once (completed, cancelled, continued, failed; maybe after
-   preemption and resume), ``Continue`` only when ``on_exhausted="continue"``, never a silent
-   cut, and a Preempt carries a checkpoint equal to what was generated;
-7. queued, checkpointed and refused requests hold no blocks.
-
-At teardown the harness drives everything to completion and asserts ``reserved == 0``.
+This module owns :class:`BudgetStateMachine` (its rules, the replay of the actions the scheduler
+returns, the teardown that drives every request to its end), :class:`Shadow`, the harness's own
+record of one request (what it sent, what the engine holds, which actions it received), and
+:func:`fingerprint` (everything observable about a scheduler, to assert that an error changed
+nothing). The checks of DESIGN §4 it runs live in :mod:`kvbudget.testing.invariants`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
-import attrs
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvbudget.core import events as ev
+from kvbudget.core.config import SchedulerConfig
 from kvbudget.core.lengths import LengthModel
-from kvbudget.core.lifecycle import LIVE_STATES, State
 from kvbudget.core.model import (
     DEFAULT_CLASSES,
     Capacity,
-    Checkpoint,
     RequestSpec,
     ServiceClass,
     blocks_for,
     class_table,
 )
-from kvbudget.core.policy import POLICY_NAMES, OraclePolicy, Policy, make_policy
-from kvbudget.core.scheduler import Scheduler, SchedulerConfig
+from kvbudget.core.resume import Checkpoint
+from kvbudget.core.scheduler import Scheduler
 from kvbudget.errors import (
     AlreadyReleased,
     DuplicateRequest,
@@ -88,151 +39,18 @@ from kvbudget.errors import (
     UnknownClass,
     UnknownRequest,
 )
+from kvbudget.testing import invariants as inv
+from kvbudget.testing.shadow import Shadow
+from kvbudget.testing.strategies import (
+    NamedPolicyFactory,
+    PolicyFactory,
+    capacities,
+    policy_factory,
+    request_specs,
+    true_lengths,
+)
 
-__all__ = [
-    "BudgetStateMachine",
-    "NamedPolicyFactory",
-    "PolicyFactory",
-    "TrueLength",
-    "WorkloadItem",
-    "capacities",
-    "fingerprint",
-    "policies",
-    "policy_factory",
-    "request_specs",
-    "workloads",
-]
-
-TrueLength = Callable[[str], int | None]
-"""Maps a request id to its true output length (None: unknown)."""
-
-
-class PolicyFactory(Protocol):
-    """Builds a fresh policy for one run; receives the harness's true lengths (for oracles)."""
-
-    def __call__(self, true_length: TrueLength, /) -> Policy: ...
-
-
-@attrs.frozen
-class NamedPolicyFactory:
-    """A :class:`PolicyFactory` for a shipped policy, by name (``oracle`` gets the truth)."""
-
-    name: str
-
-    def __call__(self, true_length: TrueLength, /) -> Policy:
-        if self.name == "oracle":
-            return OraclePolicy(true_length)
-        return make_policy(self.name)
-
-
-def policy_factory(name: str) -> NamedPolicyFactory:
-    """The factory of the shipped policy ``name`` (raises UnknownPolicy for other names)."""
-    make_policy(name)  # validate now, with the typed error
-    return NamedPolicyFactory(name)
-
-
-# == strategies ====================================================================================
-
-DEFAULT_TENANTS: tuple[str, ...] = ("t0", "t1", "t2")
-
-
-def request_specs(
-    classes: Sequence[str] = ("interactive", "batch"),
-    *,
-    max_prompt: int = 64,
-    model_max_len: int | None = None,
-    max_tokens: int = 256,
-    tenants: Sequence[str] = DEFAULT_TENANTS,
-    on_exhausted: Sequence[str] = ("extend", "continue"),
-) -> st.SearchStrategy[RequestSpec]:
-    """Valid request specs: ``1 <= prompt <= max_prompt`` with room under ``model_max_len``
-    (drawn in ``[2, max_prompt + max_tokens]`` when None), ``1 <= max_tokens``."""
-    if max_prompt < 1 or max_tokens < 1:
-        raise InvalidInput("max_prompt", max_prompt, "max_prompt >= 1 and max_tokens >= 1")
-    if model_max_len is not None and model_max_len < 2:
-        raise InvalidInput("model_max_len", model_max_len, "an integer >= 2")
-
-    @st.composite
-    def build(draw: st.DrawFn) -> RequestSpec:
-        mml = (
-            model_max_len
-            if model_max_len is not None
-            else draw(st.integers(2, max_prompt + max_tokens))
-        )
-        prompt = draw(st.integers(1, min(max_prompt, mml - 1)))
-        deadline = draw(st.one_of(st.none(), st.sampled_from([0.5, 3.0, 60.0, 900.0])))
-        return RequestSpec(
-            prompt_tokens=prompt,
-            max_tokens=draw(st.integers(1, max_tokens)),
-            model_max_len=mml,
-            service_class=draw(st.sampled_from(list(classes))),
-            tenant=draw(st.sampled_from(list(tenants))),
-            task=draw(st.sampled_from(["chat", "code"])),
-            on_exhausted=draw(st.sampled_from(list(on_exhausted))),
-            deadline=deadline,
-        )
-
-    return build()
-
-
-def capacities(
-    *, min_blocks: int = 4, max_blocks: int = 96, block_sizes: Sequence[int] = (1, 2, 4, 8, 16)
-) -> st.SearchStrategy[Capacity]:
-    """Small KV caches, so that pressure, extensions and preemption happen often."""
-    return st.builds(
-        Capacity, st.integers(min_blocks, max_blocks), st.sampled_from(list(block_sizes))
-    )
-
-
-def true_lengths(hard_max: int) -> st.SearchStrategy[int]:
-    """A true output length in ``[1, hard_max]``: often short, sometimes the hard max."""
-    return st.one_of(
-        st.integers(1, min(8, hard_max)),
-        st.integers(1, hard_max),
-        st.just(hard_max),
-    )
-
-
-@attrs.frozen
-class WorkloadItem:
-    """One arrival: ``at`` seconds after the previous one, with its true output length."""
-
-    request_id: str
-    spec: RequestSpec
-    true_length: int
-    at: float
-
-
-def workloads(
-    classes: Sequence[str] = ("interactive", "batch"),
-    *,
-    max_requests: int = 40,
-    max_prompt: int = 64,
-    model_max_len: int | None = None,
-    tenants: Sequence[str] = DEFAULT_TENANTS,
-) -> st.SearchStrategy[list[WorkloadItem]]:
-    """Sequences of arrivals with true lengths, classes, tenants and ``on_exhausted``."""
-
-    @st.composite
-    def item(draw: st.DrawFn) -> tuple[RequestSpec, int, float]:
-        spec = draw(
-            request_specs(
-                classes, max_prompt=max_prompt, model_max_len=model_max_len, tenants=tenants
-            )
-        )
-        return spec, draw(true_lengths(spec.hard_max)), draw(st.sampled_from([0.0, 0.01, 0.2]))
-
-    return st.lists(item(), max_size=max_requests).map(
-        lambda xs: [WorkloadItem(f"w{i}", s, n, at) for i, (s, n, at) in enumerate(xs)]
-    )
-
-
-def policies() -> st.SearchStrategy[NamedPolicyFactory]:
-    """Every shipped policy, as a factory (``factory(true_length) -> Policy``)."""
-    return st.sampled_from(POLICY_NAMES).map(NamedPolicyFactory)
-
-
-# == the shadow model ==============================================================================
+__all__ = ["BudgetStateMachine", "Shadow", "fingerprint"]
 
 
 def fingerprint(s: Scheduler) -> tuple[Any, ...]:
@@ -272,35 +90,6 @@ def fingerprint(s: Scheduler) -> tuple[Any, ...]:
     )
 
 
-@attrs.define
-class _Shadow:
-    """What the harness knows about one request, from what it sent and what it received."""
-
-    rid: str
-    spec: RequestSpec
-    cls: ServiceClass
-    true_len: int
-    arrival: float
-    deadline_at: float | None
-    phase: str = "queued"  # queued | running | stopped | checkpointed | ended | rejected
-    generated: int = 0
-    boundary: int = 0
-    blocks: int = 0
-    admitted: bool = False
-    stop_kind: str | None = None  # finish | cancel | fail | continue | preempt | abort
-    stop_clock: float = 0.0
-    unconfirmed: bool = False
-    ends: list[str] = attrs.Factory(list)
-    instance: int = 0  # bumped at every stop; identifies engine-side stale KV
-    preempt_checkpoint: Checkpoint | None = None
-    actions: list[str] = attrs.Factory(list)
-
-    @property
-    def end(self) -> str | None:
-        return self.ends[0] if self.ends else None
-
-
-_LIVE_STATES = LIVE_STATES
 _TICKS = (0.01, 0.1, 0.5, 1.2, 2.5, 10.0, 700.0)
 
 
@@ -357,7 +146,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.s: Scheduler | None = None
-        self.shadows: dict[str, _Shadow] = {}
+        self.shadows: dict[str, Shadow] = {}
         self.now = 0.0
         self.last_tick = 0.0
         self.slack = 0
@@ -407,14 +196,14 @@ class BudgetStateMachine(RuleBasedStateMachine):
     # -- helpers ------------------------------------------------------------------------------
 
     def _pick(
-        self, i: int, phases: tuple[str, ...], pred: Callable[[_Shadow], bool] | None = None
-    ) -> _Shadow | None:
+        self, i: int, phases: tuple[str, ...], pred: Callable[[Shadow], bool] | None = None
+    ) -> Shadow | None:
         cands = [
             sh for sh in self.shadows.values() if sh.phase in phases and (pred is None or pred(sh))
         ]
         return cands[i % len(cands)] if cands else None
 
-    def _has(self, phases: tuple[str, ...], pred: Callable[[_Shadow], bool] | None = None) -> bool:
+    def _has(self, phases: tuple[str, ...], pred: Callable[[Shadow], bool] | None = None) -> bool:
         return any(
             sh.phase in phases and (pred is None or pred(sh)) for sh in self.shadows.values()
         )
@@ -442,7 +231,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
         )
         return running + sum(self.stale.values())
 
-    def _stop(self, sh: _Shadow, kind: str) -> None:
+    def _stop(self, sh: Shadow, kind: str) -> None:
         """The engine stopped running ``sh`` (its KV stays until the engine frees it)."""
         assert sh.phase == "running", (sh.rid, sh.phase, kind)
         sh.phase = "stopped"
@@ -454,7 +243,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
             sh.spec.prompt_tokens + sh.generated, self.sched.capacity.block_size
         )
 
-    def _end(self, sh: _Shadow, how: str) -> None:
+    def _end(self, sh: Shadow, how: str) -> None:
         sh.ends.append(how)
         assert len(sh.ends) == 1, f"{sh.rid} ended more than once: {sh.ends} (inv. 6)"
 
@@ -478,12 +267,8 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 assert sh.generated < a.boundary <= hard, (a, sh.generated, hard)
                 assert a.blocks == blocks_for(prompt + a.boundary + self.slack, cap.block_size), a
                 free -= a.blocks
-                assert free >= 0, f"{a!r} over-commits: free would be {free} (inv. 1)"
-                if not sh.cls.protected:
-                    assert free >= s.ledger.protected_blocks, (
-                        f"{a!r} of unprotected {sh.rid} leaves {free} < protected "
-                        f"{s.ledger.protected_blocks} free blocks (inv. 5)"
-                    )
+                inv.grant_fits(a, free)
+                inv.protected_headroom_kept(s, sh, a, free)
                 sh.phase = "running"
                 sh.boundary = a.boundary
                 sh.blocks = a.blocks
@@ -495,12 +280,8 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 assert a.blocks == blocks_for(prompt + a.boundary + self.slack, cap.block_size), a
                 assert a.blocks >= sh.blocks, a
                 free -= a.blocks - sh.blocks
-                assert free >= 0, f"{a!r} over-commits: free would be {free} (inv. 1)"
-                if not sh.cls.protected:
-                    assert free >= s.ledger.protected_blocks, (
-                        f"{a!r} of unprotected {sh.rid} leaves {free} < protected "
-                        f"{s.ledger.protected_blocks} free blocks (inv. 5)"
-                    )
+                inv.grant_fits(a, free)
+                inv.protected_headroom_kept(s, sh, a, free)
                 sh.boundary = a.boundary
                 sh.blocks = a.blocks
             elif isinstance(a, ev.Deny):
@@ -597,7 +378,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
         rid = f"r{self.seq}"
         cls = class_table(self.classes)[spec.service_class]
         deadline = spec.deadline if spec.deadline is not None else cls.default_deadline_s
-        sh = _Shadow(
+        sh = Shadow(
             rid, spec, cls, true_len, self.now, None if deadline is None else self.now + deadline
         )
         self.shadows[rid] = sh
@@ -674,7 +455,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
 
     # -- rules: the engine runs requests ------------------------------------------------------
 
-    def _gen_limit(self, sh: _Shadow) -> int:
+    def _gen_limit(self, sh: Shadow) -> int:
         return min(sh.true_len, sh.boundary + self.slack, sh.spec.hard_max)
 
     @precondition(
@@ -731,7 +512,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
             e = self._expect_error(InvalidInput, lambda: s.charge(rid, bad, self.now))
             assert isinstance(e, InvalidInput) and e.field == "tokens"
 
-    def _wants_more(self, sh: _Shadow) -> bool:
+    def _wants_more(self, sh: Shadow) -> bool:
         return (
             sh.generated >= sh.boundary
             and sh.generated < sh.true_len
@@ -968,86 +749,23 @@ class BudgetStateMachine(RuleBasedStateMachine):
         self._ok = True
 
     def verify(self) -> None:
-        """Check DESIGN §4 against the shadow model (see the module docstring)."""
+        """Check DESIGN §4 against the shadow model (see :mod:`kvbudget.testing.invariants`)."""
         s = self.sched
-        led = s.ledger
-        cap = s.capacity
-        bs = cap.block_size
-        slack = self.slack
-        # 1. blocks add up, from the harness's own account
-        held = sum(sh.blocks for sh in self.shadows.values())
-        assert held == led.reserved, (
-            f"harness sees {held} blocks granted, ledger {led.reserved} (inv. 1)"
-        )
-        assert 0 <= led.reserved <= cap.blocks, (led.reserved, cap.blocks)
-        assert led.reserved + led.free == cap.blocks
         snap = s.snapshot()
-        assert snap.reserved_blocks == held and snap.free_blocks == cap.blocks - held
-        counts = {p: 0 for p in ("queued", "running", "stopped", "checkpointed")}
-        stale_ledger = 0
-        unconf = 0
-        for sh in self.shadows.values():
-            prompt, hard = sh.spec.prompt_tokens, sh.spec.hard_max
-            req = s.requests.get(sh.rid)
-            if sh.phase in counts:
-                counts[sh.phase] += 1
-            # the core's state matches what the harness saw
-            if sh.phase in ("ended", "rejected"):
-                assert req is None, f"{sh.rid} is {sh.phase} but the core still has {req!r}"
-                assert sh.blocks == 0
-                continue
-            assert req is not None, f"{sh.rid} ({sh.phase}) is unknown to the core"
-            assert req.blocks == sh.blocks, (req, sh.blocks)
-            # 2. hard max
-            assert sh.generated <= hard and req.generated == sh.generated, (req, sh.generated)
-            assert req.boundary <= hard, req
-            assert sh.blocks <= blocks_for(prompt + hard + slack, bs), (
-                f"{sh.rid} holds {sh.blocks} blocks, more than its hard max needs (inv. 2)"
-            )
-            if sh.phase == "running":
-                assert req.state in _LIVE_STATES, (req, sh.phase)
-            elif sh.phase == "stopped":
-                want = (
-                    State.PREEMPTING
-                    if sh.stop_kind == "preempt" and sh.end is None
-                    else State.RELEASING
-                )
-                assert req.state is want, (req, want)
-                stale_ledger += sh.blocks
-                unconf += sh.unconfirmed
-                assert req.unconfirmed == sh.unconfirmed, (
-                    f"{req!r}: unconfirmed={req.unconfirmed}, harness says {sh.unconfirmed} "
-                    "(inv. 4)"
-                )
-            elif sh.phase == "queued":
-                assert req.state is State.QUEUED, req
-            else:
-                assert req.state is State.CHECKPOINTED, req
-            if sh.phase in ("running", "stopped"):
-                # 3. tokens stay inside the grant and its slack; blocks cover the tokens
-                assert sh.blocks > 0, (
-                    req,
-                    "a stopped request lost its blocks unconfirmed (inv. 4)",
-                )
-                assert sh.generated <= sh.boundary + slack, (req, sh.boundary, slack)
-                assert sh.blocks >= blocks_for(prompt + sh.generated, bs), req
-                assert req.boundary == sh.boundary, (req, sh.boundary)
-            else:
-                # 7. queued and checkpointed requests cost nothing
-                assert sh.blocks == 0 and req.blocks == 0, req
-        # 4. the KV the engine really still holds for stopped requests is still charged
-        stale_engine = sum(self.stale.values())
-        assert stale_engine <= stale_ledger, (
-            f"the engine still holds {stale_engine} blocks of stopped requests, the ledger "
-            f"charges only {stale_ledger} (inv. 4)"
+        shadows = self.shadows.values()
+        inv.reserved_within_capacity(s, snap, shadows)  # 1
+        inv.core_matches_shadow(
+            s,
+            snap,
+            shadows,
+            admitted=self.n_admits,
+            preempted=self.n_preempts,
+            rejected=self.n_rejects,
         )
-        assert snap.active == counts["running"] == s.active, (snap.active, counts)
-        assert snap.queued == counts["queued"] + counts["checkpointed"], (snap.queued, counts)
-        assert snap.releasing == counts["stopped"], (snap.releasing, counts)
-        assert snap.unconfirmed_releasing == unconf, (snap.unconfirmed_releasing, unconf)
-        assert snap.totals.admitted == self.n_admits, (snap.totals.admitted, self.n_admits)
-        assert snap.totals.preemptions == self.n_preempts
-        assert snap.totals.rejected == self.n_rejects, (snap.totals.rejected, self.n_rejects)
+        inv.within_hard_max(s, shadows, self.slack)  # 2
+        inv.tokens_within_grant(s, shadows, self.slack)  # 3
+        inv.stopped_blocks_wait_for_confirmation(s, snap, shadows, self.stale)  # 4
+        inv.idle_requests_cost_nothing(s, shadows)  # 7
 
     # -- teardown: drive everything to completion ---------------------------------------------
 
@@ -1096,7 +814,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 if sh.generated < target:
                     n = target - sh.generated
 
-                    def go(sh: _Shadow = sh, n: int = n) -> Sequence[ev.Action]:
+                    def go(sh: Shadow = sh, n: int = n) -> Sequence[ev.Action]:
                         out = list(s.charge(sh.rid, n, self.now))
                         sh.generated += n
                         return out
@@ -1104,7 +822,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
                     self._call(f"charge:{rid}", go)
                 elif sh.generated == sh.true_len:
 
-                    def fin(sh: _Shadow = sh) -> Sequence[ev.Action]:
+                    def fin(sh: Shadow = sh) -> Sequence[ev.Action]:
                         out = s.finish(sh.rid, "stop", self.now)
                         self._stop(sh, "finish")
                         self._end(sh, "completed")
@@ -1125,13 +843,4 @@ class BudgetStateMachine(RuleBasedStateMachine):
         self.verify()
         assert s.ledger.reserved == 0, f"{s.ledger.reserved} blocks still reserved after drain"
         assert s.active == 0 and s.queued() == 0 and s.releasing == 0 and not s.requests
-        for sh in self.shadows.values():
-            if sh.admitted:
-                assert len(sh.ends) == 1, f"{sh.rid} ended {sh.ends} (inv. 6)"
-            # no silent truncation: a request that stopped short of its true length says why
-            if sh.end == "completed":
-                assert sh.generated == sh.true_len or sh.generated == sh.spec.hard_max, sh
-            elif sh.end == "continued":
-                assert "Continue" in sh.actions, sh
-            elif sh.end == "failed":
-                assert {"Abort", "Reject", "sent:fail"} & set(sh.actions), sh
+        inv.ended_exactly_once(self.shadows.values())  # 6
