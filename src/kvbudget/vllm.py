@@ -62,6 +62,7 @@ from kvbudget.errors import (
     InvalidInput,
     KvBudgetError,
 )
+from kvbudget.names import NameFolder, NameLimits
 from kvbudget.observability import get_logger
 
 if TYPE_CHECKING:
@@ -782,6 +783,8 @@ class BudgetedEngine:
     the stop is counted unconfirmed. ``reconcile_interval``: seconds between reconciliations
     (None: off). ``model``: the calibration key's model name (default: the served model name).
     ``owns_engine``: shut the engine down on exit (default True only from engine args).
+    ``names``: the bound on client-chosen tenants and tasks (:class:`~kvbudget.names.NameLimits`;
+    see :class:`~kvbudget.Budget`).
     """
 
     def __init__(
@@ -801,6 +804,7 @@ class BudgetedEngine:
         confirm_probe_s: float = 0.05,
         model: str | None = None,
         owns_engine: bool = False,
+        names: NameLimits | NameFolder | None = None,
     ) -> None:
         _require_vllm()
         self.engine = engine
@@ -844,6 +848,7 @@ class BudgetedEngine:
             tick_interval=tick_interval,
             stall_timeout=stall_timeout,
             engine=None,
+            names=names,
         )
         self.stats.on_step = self._observe_step
         self.reconcile_interval = reconcile_interval
