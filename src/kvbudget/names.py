@@ -9,8 +9,9 @@ bound, and spreads its load over many tenants to game weighted fairness.
 A :class:`NameFolder` (one per :class:`~kvbudget.Budget`, applied where the budget takes a
 request's spec, so every server and embedder is covered) keeps:
 
-* every name the operator configured (``NameLimits.known_tenants``/``known_tasks``, the keys of
-  ``SchedulerConfig.tenant_weights``, the tenants of an API-keys file) as it is, always;
+* ``default`` and every name the operator configured (``NameLimits.known_tenants``/
+  ``known_tasks``, the keys of ``SchedulerConfig.tenant_weights``, the tenants of an API-keys
+  file) as it is, always;
 * the first ``max_tenants`` (``max_tasks``) other names it sees, as they are, for the life of
   the budget (first come, not most active: a name that was counted keeps its series, so
   Prometheus counters never move between labels);
@@ -125,7 +126,7 @@ class NameFolder:
     def fold_name(self, kind: NameKind, name: str) -> str:
         """``name`` if it is configured, already kept or a slot is free; else ``other``."""
         limits = self.limits
-        if name == limits.other or name in limits.known(kind):
+        if name == limits.other or name == "default" or name in limits.known(kind):
             return name
         seen = self._seen[kind]
         if name in seen:

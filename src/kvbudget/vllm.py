@@ -1040,6 +1040,23 @@ class BudgetedEngine:
             "forms are not supported by kvbudget)",
         )
 
+    def _check_vocabulary(self, prompt_ids: list[int]) -> None:
+        """vLLM's own vocabulary check (``renderer.validate_token_ids``), before the budget
+        admits anything: inside ``add_request`` it would fail the request after admission (a
+        500 from a server) for what is the client's mistake (InvalidInput: a 400)."""
+        validate = getattr(getattr(self.engine, "renderer", None), "validate_token_ids", None)
+        if validate is None:
+            return
+        try:
+            validate(prompt_ids)
+        except Exception as exc:
+            if any(c.__name__ == "VLLMClientError" for c in type(exc).__mro__):
+                bad = min(prompt_ids) if min(prompt_ids) < 0 else max(prompt_ids)
+                raise InvalidInput(
+                    "prompt_token_ids", bad, f"token ids in the model's vocabulary ({exc})"
+                ) from None
+            raise
+
     def generate(
         self,
         prompt: Any,
@@ -1129,6 +1146,7 @@ class BudgetedEngine:
             raise InvalidInput("sampling_params.n", sampling_params.n, "1 (n > 1 is not supported)")
         blockers = pause_blockers(sampling_params)
         prompt_ids, prompt_text = self._prompt_ids(prompt)
+        self._check_vocabulary(prompt_ids)
         if not _tokens_only(prompt):
             blockers.append("prompt")  # multimodal or other inputs: a resubmission would lose them
         n_prompt = len(prompt_ids)
