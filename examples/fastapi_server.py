@@ -328,12 +328,20 @@ class Server:
                 raise _common.BadRequest(str(exc), getattr(exc, "parameter", None)) from None
             raise
 
+    def encode(self, text: str, param: str, **kw: Any) -> list[int]:
+        """The token ids of ``text``; text the tokenizer cannot take (a lone surrogate from a
+        ``\\ud800`` escape, ...) is the client's mistake."""
+        try:
+            return list(self.tokenizer.encode(text, **kw))
+        except (ValueError, TypeError) as exc:
+            raise _common.BadRequest(f"{param} cannot be tokenized: {exc}", param) from None
+
     def completion_prompt(self, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
-            ids = list(self.tokenizer.encode(prompt))
+            ids = self.encode(prompt, "prompt")
             if not ids:
                 raise _common.BadRequest("prompt must not be empty", "prompt")
             return ids
@@ -364,7 +372,7 @@ class Server:
             )
         except Exception as exc:  # the model's template refused them (jinja raises anything)
             raise _common.BadRequest(f"the chat template failed: {exc}", "messages") from None
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = self.encode(text, "messages", add_special_tokens=False)
         if not ids:
             raise _common.BadRequest("the messages render to an empty prompt", "messages")
         return ids

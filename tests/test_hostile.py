@@ -130,6 +130,7 @@ def test_the_issue_table_and_friends(http: Any) -> None:
         ({**base, "prompt": 5}, 400, "prompt"),
         ({**base, "prompt": ""}, 400, "prompt"),
         ({**base, "prompt": [7] * 800}, 400, "prompt"),
+        ({**base, "prompt": "a\ud800b"}, 400, "prompt"),
         ([1, 2], 400, None),
     ]
     for body, status, param in cases:

@@ -123,6 +123,7 @@ def test_the_issue_table(http: Any) -> None:
         ({**base, "model": "nope"}, 404),
         ({**base, "prompt": ""}, 400),
         ({**base, "prompt": [7] * 800}, 400),
+        ({**base, "prompt": "a\ud800b"}, 400),
     ]
     for body, status in cases:
         r = http.post("/v1/completions", content=_hostile.encode(body),
