@@ -63,3 +63,41 @@ def test_an_api_key_decides_the_tenant_and_the_class() -> None:
     assert (got.tenant, got.service_class, got.task) == ("acme", "batch", "t")
     with pytest.raises(Forbidden):
         _common.apply_api_key(opts, key, "interactive")
+
+
+def test_the_fastapi_app_checks_keys_and_sizes_before_the_engine(tmp_path: pathlib.Path) -> None:
+    """The wiring of --api-keys / --max-body-bytes in the FastAPI example, without an engine
+    (no lifespan: a request that passes the guard gets 503 "the engine is not running")."""
+    import json
+
+    import anyio
+    import httpx
+
+    pytest.importorskip("fastapi")
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+    try:
+        import fastapi_server
+    finally:
+        sys.path.pop(0)
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-a": {"tenant": "a"}}))
+    args = _common.make_parser("t", 8000).parse_args(
+        ["--model", str(tmp_path), "--api-keys", str(keys), "--max-body-bytes", "100"]
+    )
+    app = fastapi_server.create_app(args)
+
+    async def main() -> list[int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            key = {"Authorization": "Bearer sk-a"}
+            return [
+                (await c.post("/v1/completions", json={"prompt": "hi"})).status_code,
+                (await c.post("/v1/completions", json={"prompt": "hi"},
+                              headers={"Authorization": "Bearer sk-b"})).status_code,
+                (await c.post("/v1/completions", json={"prompt": "x" * 200},
+                              headers=key)).status_code,
+                (await c.post("/v1/completions", json={"prompt": "hi"}, headers=key)).status_code,
+                (await c.get("/v1/nothing", headers=key)).status_code,
+            ]
+
+    assert anyio.run(main) == [401, 401, 413, 503, 404]
