@@ -23,13 +23,16 @@ import logging
 import math
 import pathlib
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import attrs
 
+from kvbudget.auth import ApiKeys, load_api_keys
 from kvbudget.engines.tiny_model import configure_cpu_vllm_env, tiny_engine_args
 from kvbudget.errors import InvalidInput
+from kvbudget.guard import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES
+from kvbudget.names import DEFAULT_MAX_TASKS, DEFAULT_MAX_TENANTS, NameLimits
 
 # Request headers (HTTP) / metadata keys (gRPC, lower case) understood by the examples.
 HEADER_CLASS = "X-KVBudget-Class"
@@ -87,6 +90,29 @@ def make_parser(description: str, default_port: int) -> argparse.ArgumentParser:
     )
     p.add_argument("--served-model-name", default=None, help="model id (default: DIR's name)")
     p.add_argument(
+        "--api-keys", default=None, metavar="FILE",
+        help="JSON file of API keys -> {tenant, weight, classes} (kvbudget.auth): requests need "
+             "'Authorization: Bearer KEY' (gRPC: 'authorization' metadata) and run as the "
+             "key's tenant. Default: none, the tenant header is trusted",
+    )
+    p.add_argument(
+        "--max-tenants", type=int, default=DEFAULT_MAX_TENANTS,
+        help="client-named tenants kept apart before the rest are folded into 'other' "
+             f"(configured ones always kept; default {DEFAULT_MAX_TENANTS})",
+    )
+    p.add_argument(
+        "--max-tasks", type=int, default=DEFAULT_MAX_TASKS,
+        help=f"the same for X-KVBudget-Task (default {DEFAULT_MAX_TASKS})",
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+        help=f"larger request bodies get 413 (HTTP; default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    p.add_argument(
+        "--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
+        help=f"larger request headers get 413 (HTTP; default {DEFAULT_MAX_HEADER_BYTES})",
+    )
+    p.add_argument(
         "--events", default="info", choices=("debug", "info", "warning"),
         help="lowest level of kvbudget's events to log (debug: every admission, extension, "
              "abort and confirmation; default info)",
@@ -132,18 +158,50 @@ async def running_engine(args: argparse.Namespace) -> AsyncIterator[Any]:
     The engine is an async context manager: it runs the budget's task group and the
     reconciler, and shuts the vLLM engine down on exit (~5 s).
     """
+    from kvbudget import BATCH, DEFAULT_CLASSES, INTERACTIVE, SchedulerConfig
     from kvbudget.vllm import BudgetedEngine
 
-    classes = None
+    classes = list(DEFAULT_CLASSES)
     if args.max_queue_delay is not None:
-        from kvbudget import BATCH, INTERACTIVE
-
         classes = [attrs.evolve(INTERACTIVE, max_queue_delay_s=args.max_queue_delay), BATCH]
+    keys = api_keys(args)
+    config = None
+    known: frozenset[str] = frozenset()
+    if keys is not None:
+        keys.check_classes(c.name for c in classes)
+        config = SchedulerConfig(tenant_weights=keys.tenant_weights())
+        known = keys.tenants
     engine = BudgetedEngine.from_engine_args(
-        engine_args(args), classes=classes, policy=args.policy, model=model_name(args)
+        engine_args(args), classes=classes, policy=args.policy, model=model_name(args),
+        config=config,
+        names=NameLimits(
+            max_tenants=args.max_tenants, max_tasks=args.max_tasks, known_tenants=known
+        ),
     )
     async with engine:
         yield engine
+
+
+def api_keys(args: argparse.Namespace) -> ApiKeys | None:
+    """The ``--api-keys`` file, read once (a bad file stops the server with the reason)."""
+    cached: ApiKeys | None = getattr(args, "_api_keys", None)
+    if cached is not None or not args.api_keys:
+        return cached
+    try:
+        keys = load_api_keys(args.api_keys)
+    except InvalidInput as exc:
+        raise SystemExit(f"cannot start: {exc}") from None
+    args._api_keys = keys
+    return keys
+
+
+def vocab_size(tokenizer: Any) -> int:
+    """Token ids a prompt may hold: ``[0, vocab_size)`` (the tokenizer's full vocabulary,
+    added tokens included)."""
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return int(tokenizer.vocab_size)
 
 
 def load_tokenizer(engine: Any, path: pathlib.Path) -> Any:
@@ -184,7 +242,111 @@ class RequestOptions:
 
 
 class BadRequest(ValueError):
-    """A request option the server cannot accept (HTTP 400 / gRPC INVALID_ARGUMENT)."""
+    """A request the server cannot accept (HTTP 400 / gRPC INVALID_ARGUMENT); ``param`` names
+    the offending field (the ``param`` of the OpenAI error body)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFound(LookupError):
+    """A request for a model this server does not serve (HTTP 404 / gRPC NOT_FOUND), worded
+    as vLLM's own server words it."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist.")
+        self.model = model
+
+
+def check_model(asked: Any, served: str) -> None:
+    """``model`` of a request: absent, or the served model's name."""
+    if asked is None:
+        return
+    if not isinstance(asked, str):
+        raise BadRequest("model must be a string", "model")
+    if asked != served:
+        raise ModelNotFound(asked)
+
+
+def check_token_ids(ids: Any, vocab_size: int, field: str = "prompt") -> list[int]:
+    """Prompt token ids: a non-empty list of integers in ``[0, vocab_size)``."""
+    if not isinstance(ids, list | tuple) or not ids:
+        raise BadRequest(f"{field} must be a non-empty list of token ids", field)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise BadRequest(f"{field}: token ids must be integers, got {t!r:.40}", field)
+        if not 0 <= t < vocab_size:
+            raise BadRequest(
+                f"Token id {t} is out of vocabulary (the vocabulary has {vocab_size} tokens)",
+                field,
+            )
+    return list(ids)
+
+
+def number(
+    values: Mapping[str, Any], name: str, *, lo: float | None = None, hi: float | None = None,
+    lo_open: bool = False, integer: bool = False,
+) -> Any:
+    """``values[name]`` checked: None if absent or null, else a finite number (an integer if
+    ``integer``) in range; raises BadRequest naming the field."""
+    value = values.get(name)
+    if value is None:
+        return None
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, int | float) or (
+        integer and not isinstance(value, int)
+    ):
+        raise BadRequest(f"{name} must be {kind}, got {type(value).__name__}", name)
+    if not math.isfinite(value):
+        raise BadRequest(f"{name} must be finite, got {value}", name)
+    too_low = lo is not None and (value <= lo if lo_open else value < lo)
+    too_high = hi is not None and value > hi
+    if too_low or too_high:
+        low = "" if lo is None else f"{'>' if lo_open else '>='} {lo}"
+        high = "" if hi is None else f"<= {hi}"
+        raise BadRequest(
+            f"{name} must be {kind} {' and '.join(x for x in (low, high) if x)}, got {value}",
+            name,
+        )
+    return value
+
+
+#: the sampling fields the servers pass to vLLM, with vLLM's own ranges
+SAMPLING_RANGES: Mapping[str, dict[str, Any]] = {
+    "temperature": {"lo": 0.0, "hi": 2.0},
+    "top_p": {"lo": 0.0, "hi": 1.0, "lo_open": True},
+    "presence_penalty": {"lo": -2.0, "hi": 2.0},
+    "frequency_penalty": {"lo": -2.0, "hi": 2.0},
+    "repetition_penalty": {"lo": 0.0, "lo_open": True, "hi": 10.0},
+    "top_k": {"lo": -1, "hi": 1 << 20, "integer": True},
+    "min_p": {"lo": 0.0, "hi": 1.0},
+    "min_tokens": {"lo": 0, "hi": 1 << 20, "integer": True},
+    "seed": {"lo": -(1 << 63), "hi": (1 << 63) - 1, "integer": True},
+}
+
+
+def sampling_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling fields present in ``values``, each checked against
+    :data:`SAMPLING_RANGES` (BadRequest names the first that is out of range)."""
+    out: dict[str, Any] = {}
+    for name, rng in SAMPLING_RANGES.items():
+        value = number(values, name, **rng)
+        if value is not None:
+            out[name] = float(value) if not rng.get("integer") else int(value)
+    return out
+
+
+def apply_api_key(
+    opts: RequestOptions, key: Any, asked_class: str | None
+) -> RequestOptions:
+    """The options of a request made with API key ``key`` (a :class:`kvbudget.auth.ApiKey`,
+    or None without a keys file): the key's tenant (whatever the request said) and a class the
+    key allows (:class:`kvbudget.errors.Forbidden` if it asked for another)."""
+    if key is None:
+        return opts
+    cls = key.service_class(asked_class or None)
+    return replace(opts, tenant=key.tenant, service_class=cls)
 
 
 def _truthy(value: str) -> bool:
@@ -196,16 +358,20 @@ def options_from_headers(headers: Mapping[str, str]) -> RequestOptions:
     h = {k.lower(): v for k, v in headers.items()}
     on_exhausted = h.get(HEADER_ON_EXHAUSTED.lower(), "extend").strip().lower()
     if on_exhausted not in ("extend", "continue"):
-        raise BadRequest(f"{HEADER_ON_EXHAUSTED} must be 'extend' or 'continue'")
+        raise BadRequest(
+            f"{HEADER_ON_EXHAUSTED} must be 'extend' or 'continue'", HEADER_ON_EXHAUSTED
+        )
     deadline: float | None = None
     raw = h.get(HEADER_DEADLINE.lower())
     if raw:
         try:
             deadline = float(raw)
         except ValueError:
-            raise BadRequest(f"{HEADER_DEADLINE} must be seconds, got {raw!r}") from None
+            raise BadRequest(
+                f"{HEADER_DEADLINE} must be seconds, got {raw!r:.40}", HEADER_DEADLINE
+            ) from None
         if not deadline > 0 or not math.isfinite(deadline):
-            raise BadRequest(f"{HEADER_DEADLINE} must be > 0 seconds")
+            raise BadRequest(f"{HEADER_DEADLINE} must be > 0 seconds", HEADER_DEADLINE)
     return RequestOptions(
         service_class=h.get(HEADER_CLASS.lower(), "interactive").strip() or "interactive",
         tenant=h.get(HEADER_TENANT.lower(), "default").strip() or "default",

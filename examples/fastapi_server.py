@@ -57,6 +57,8 @@ import _common  # the examples directory is not a package
 
 import kvbudget
 import kvbudget.errors
+from kvbudget.errors import Forbidden, Unauthorized
+from kvbudget.guard import RequestGuard, api_key_of, error_body
 from kvbudget.observability import PrometheusExporter, snapshot_to_dict
 
 log = logging.getLogger("kvbudget.examples.fastapi")
@@ -66,12 +68,12 @@ log = logging.getLogger("kvbudget.examples.fastapi")
 
 
 def error_response(
-    status: int, message: str, type_: str, code: str | None = None,
-    headers: dict[str, str] | None = None,
+    status: int, message: str, type_: str, code: str | int | None = None,
+    headers: dict[str, str] | None = None, param: str | None = None,
 ) -> JSONResponse:
     """An OpenAI-style error body."""
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(message, type_, code, param), status_code=status,
+                        headers=headers)
 
 
 def overloaded_response(exc: kvbudget.Overloaded) -> JSONResponse:
@@ -87,12 +89,28 @@ def overloaded_response(exc: kvbudget.Overloaded) -> JSONResponse:
     )
 
 
+def _vllm_client_error(exc: BaseException) -> bool:
+    """vLLM's own request validation (``VLLMClientError``: not a ValueError)."""
+    return any(c.__name__ == "VLLMClientError" for c in type(exc).__mro__)
+
+
 def exception_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, kvbudget.Overloaded):
         return overloaded_response(exc)
-    if isinstance(exc, _common.BadRequest | kvbudget.InvalidInput | kvbudget.errors.UnknownName):
-        return error_response(400, str(exc), "invalid_request_error")
-    if type(exc).__name__ in ("VLLMValidationError", "ValueError"):  # vLLM's own validation
+    if isinstance(exc, _common.ModelNotFound):
+        return error_response(404, str(exc), "NotFoundError", 404, param="model")
+    if isinstance(exc, Unauthorized):
+        return error_response(401, str(exc), "invalid_request_error", "invalid_api_key")
+    if isinstance(exc, Forbidden):
+        return error_response(403, str(exc), "permission_error", "permission_denied",
+                              param=_common.HEADER_CLASS)
+    if isinstance(exc, _common.BadRequest):
+        return error_response(400, str(exc), "invalid_request_error", param=exc.param)
+    if isinstance(exc, kvbudget.InvalidInput):
+        return error_response(400, str(exc), "invalid_request_error", param=exc.field)
+    if isinstance(exc, kvbudget.errors.UnknownName):
+        return error_response(400, str(exc), "invalid_request_error", param=exc.kind)
+    if _vllm_client_error(exc) or type(exc).__name__ == "ValueError":  # vLLM's validation
         return error_response(400, str(exc), "invalid_request_error")
     if isinstance(exc, kvbudget.EngineError):
         return error_response(500, str(exc), "engine_error", "engine_error")
@@ -233,6 +251,7 @@ class Server:
         self.tokenizer: Any = None
         self.exporter: PrometheusExporter | None = None
         self.max_model_len = 0
+        self.vocab_size = 0
         self.created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -244,6 +263,7 @@ class Server:
             self.tokenizer = _common.load_tokenizer(engine, path)
             self.engine = engine
             self.max_model_len = int(engine.max_model_len)
+            self.vocab_size = _common.vocab_size(self.tokenizer)
             # a registry of our own: /metrics shows the budget only (vLLM has its own metrics)
             self.exporter = PrometheusExporter(engine, registry=CollectorRegistry())
             print(f"kvbudget example: serving {self.model} on http://{self.args.host}:"
@@ -255,64 +275,131 @@ class Server:
                 self.engine = None
 
     # -- request parsing -------------------------------------------------------------------------
+    # Everything a client sends is checked here, before the budget sees the request: a bad
+    # value is a 400 (404 for another model) with an OpenAI-style body, never a 500.
 
     def sampling(self, body: dict[str, Any], prompt_len: int, default_max: int | None) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        if int(body.get("n") or 1) != 1:
-            raise _common.BadRequest("only n=1 is supported")
+        n = _common.number(body, "n", lo=1, integer=True)
+        if n is not None and n != 1:
+            raise _common.BadRequest("only n=1 is supported", "n")
         room = self.max_model_len - prompt_len
         if room < 1:
             raise _common.BadRequest(
-                f"the prompt has {prompt_len} tokens; the model's context is "
-                f"{self.max_model_len}"
+                f"This model's maximum context length is {self.max_model_len} tokens; the "
+                f"prompt has {prompt_len}", "prompt" if not body.get("messages") else "messages",
             )
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max))
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        max_tokens = _common.number(body, name, lo=1, hi=self.max_model_len, integer=True)
         if max_tokens is None:
-            max_tokens = room
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise _common.BadRequest("max_tokens must be an integer >= 1")
-        stop = body.get("stop")
+            max_tokens = default_max if default_max is not None else room
+        # the hard max is min(max_tokens, room): what the prompt leaves is the ceiling
+        max_tokens = min(max_tokens, room)
         kw: dict[str, Any] = {
             "max_tokens": max_tokens,
-            "temperature": float(body.get("temperature", 1.0)),
-            "top_p": float(body.get("top_p", 1.0)),
-            "ignore_eos": bool(body.get("ignore_eos", False)),
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "ignore_eos": _flag(body, "ignore_eos"),
             "output_kind": RequestOutputKind.DELTA,
         }
-        # the rest of vLLM's sampling fields this example passes on (vLLM validates them); a
-        # request whose output a pause would change (seed, penalties, stop strings) is given a
-        # grant to its hard max by the adapter (kvbudget.vllm.pause_blockers)
-        for name, conv in (
-            ("presence_penalty", float), ("frequency_penalty", float),
-            ("repetition_penalty", float), ("top_k", int), ("min_p", float),
-            ("min_tokens", int), ("seed", int),
-        ):
-            if body.get(name) is not None:
-                kw[name] = conv(body[name])
-        if stop:
-            kw["stop"] = [stop] if isinstance(stop, str) else list(stop)
-        return SamplingParams(**kw)
+        # the sampling fields this example passes on, in vLLM's ranges; a request whose output
+        # a pause would change (seed, penalties, stop strings) is given a grant to its hard max
+        # by the adapter (kvbudget.vllm.pause_blockers)
+        kw.update(_common.sampling_values(body))
+        if kw.get("min_tokens", 0) > max_tokens:
+            raise _common.BadRequest("min_tokens must be <= max_tokens", "min_tokens")
+        stop = body.get("stop")
+        if stop is not None:
+            stops = [stop] if isinstance(stop, str) else stop
+            if (not isinstance(stops, list) or len(stops) > 16
+                    or not all(isinstance(x, str) and x for x in stops)):
+                raise _common.BadRequest(
+                    "stop must be a non-empty string or a list of at most 16 of them", "stop"
+                )
+            if stops:
+                kw["stop"] = list(stops)
+        try:
+            return SamplingParams(**kw)
+        except Exception as exc:  # vLLM's own checks (VLLMValidationError is no ValueError)
+            if _vllm_client_error(exc) or isinstance(exc, ValueError | TypeError):
+                raise _common.BadRequest(str(exc), getattr(exc, "parameter", None)) from None
+            raise
+
+    def encode(self, text: str, param: str, **kw: Any) -> list[int]:
+        """The token ids of ``text``; text the tokenizer cannot take (a lone surrogate from a
+        ``\\ud800`` escape, ...) is the client's mistake."""
+        try:
+            return list(self.tokenizer.encode(text, **kw))
+        except (ValueError, TypeError) as exc:
+            raise _common.BadRequest(f"{param} cannot be tokenized: {exc}", param) from None
 
     def completion_prompt(self, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        raise _common.BadRequest("prompt must be a string or a list of token ids")
+        if isinstance(prompt, str) and prompt:
+            ids = self.encode(prompt, "prompt")
+            if not ids:
+                raise _common.BadRequest("prompt must not be empty", "prompt")
+            return ids
+        if isinstance(prompt, list) and prompt and not any(isinstance(t, str) for t in prompt):
+            return _common.check_token_ids(prompt, self.vocab_size)
+        if prompt is None or prompt == [] or prompt == "":
+            raise _common.BadRequest("prompt is required (a string or a list of token ids)",
+                                     "prompt")
+        raise _common.BadRequest(
+            "prompt must be a string or a list of token ids (one prompt per request)", "prompt"
+        )
 
     def chat_prompt(self, body: dict[str, Any]) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise _common.BadRequest("messages must be a non-empty list")
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            raise _common.BadRequest("messages must be a non-empty list", "messages")
+        clean: list[dict[str, str]] = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+                raise _common.BadRequest(
+                    f"messages[{i}] must be an object with a role in {sorted(CHAT_ROLES)}",
+                    "messages",
+                )
+            clean.append({"role": m["role"], "content": _content(m.get("content"), i)})
+        try:
+            text = self.tokenizer.apply_chat_template(
+                clean, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # the model's template refused them (jinja raises anything)
+            raise _common.BadRequest(f"the chat template failed: {exc}", "messages") from None
+        ids = self.encode(text, "messages", add_special_tokens=False)
+        if not ids:
+            raise _common.BadRequest("the messages render to an empty prompt", "messages")
+        return ids
+
+    def parse(
+        self, request: Request, body: Any, chat: bool
+    ) -> tuple[_common.RequestOptions, list[int], Any]:
+        """The budget options, prompt token ids and sampling params of a request (BadRequest,
+        ModelNotFound or Forbidden when something is wrong)."""
+        if not isinstance(body, dict):
+            raise _common.BadRequest("the body must be a JSON object")
+        _common.check_model(body.get("model"), self.model)
+        for name in ("stream", "return_token_ids"):
+            _flag(body, name)
+        so = body.get("stream_options")
+        if so is not None and (not isinstance(so, dict) or not isinstance(
+                so.get("include_usage", False), bool)):
+            raise _common.BadRequest("stream_options must be {\"include_usage\": bool}",
+                                     "stream_options")
+        headers = dict(request.headers)
+        opts = _common.options_from_headers(headers)
+        opts = _common.apply_api_key(
+            opts, api_key_of(request.scope), headers.get(_common.HEADER_CLASS.lower())
         )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = self.chat_prompt(body) if chat else self.completion_prompt(body)
+        sampling = self.sampling(body, len(ids), None if chat else 16)
+        return opts, ids, sampling
 
     # -- handlers --------------------------------------------------------------------------------
 
@@ -320,14 +407,14 @@ class Server:
         if self.engine is None:
             return error_response(503, "the engine is not running", "server_error")
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise _common.BadRequest("the body must be a JSON object")
-            opts = _common.options_from_headers(dict(request.headers))
-            ids = self.chat_prompt(body) if chat else self.completion_prompt(body)
-            sampling = self.sampling(body, len(ids), None if chat else 16)
-        except (ValueError, TypeError) as exc:
-            return error_response(400, str(exc), "invalid_request_error")
+            raw = await request.body()
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError) as exc:
+                raise _common.BadRequest(f"the body is not valid JSON: {exc}") from None
+            opts, ids, sampling = self.parse(request, body, chat)
+        except (_common.BadRequest, _common.ModelNotFound, Forbidden) as exc:
+            return exception_response(exc)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         events = run_generation(self.engine, ids, sampling, rid, opts)
         try:  # the first event: admission (or Overloaded) happens here, before any header
@@ -387,6 +474,34 @@ class Server:
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()
+
+
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _common.BadRequest(f"{name} must be true or false", name)
+    return value
+
+
+def _content(content: Any, i: int) -> str:
+    """A message's content as text: a string, null, or a list of ``{"type": "text"}`` parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise _common.BadRequest(
+        f"messages[{i}].content must be a string or a list of text parts", "messages"
+    )
 
 
 class _Format:
@@ -465,9 +580,28 @@ class _Format:
 
 
 def create_app(args: argparse.Namespace) -> FastAPI:
+    from starlette.exceptions import HTTPException
+
     server = Server(args)
     app = FastAPI(title="kvbudget OpenAI-compatible example", lifespan=server.lifespan)
     app.state.server = server
+    # outermost: size limits (413) and, with --api-keys, the key (401) before any handler
+    app.add_middleware(
+        RequestGuard, api_keys=_common.api_keys(args), max_body_bytes=args.max_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+    )
+
+    async def http_error(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)  # unknown path, wrong method: OpenAI-style too
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error",
+                              exc.status_code, headers=getattr(exc, "headers", None))
+
+    async def server_error(_request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error", exc_info=exc)
+        return exception_response(exc)
+
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -503,7 +637,9 @@ def create_app(args: argparse.Namespace) -> FastAPI:
     async def snapshot() -> Response:
         if server.engine is None:
             return error_response(503, "the engine is not running", "server_error")
-        return JSONResponse(snapshot_to_dict(server.engine.snapshot()))
+        data = snapshot_to_dict(server.engine.snapshot())
+        data["names"] = server.engine.budget.names.to_dict()
+        return JSONResponse(data)
 
     return app
 

@@ -53,6 +53,8 @@ import _common  # the examples directory is not a package
 
 import kvbudget
 import kvbudget.errors
+from kvbudget.auth import ApiKeys
+from kvbudget.errors import Forbidden, Unauthorized
 from kvbudget.observability import snapshot_to_dict
 
 log = logging.getLogger("kvbudget.examples.grpc")
@@ -67,22 +69,36 @@ def load_protos() -> tuple[Any, Any]:
     return grpc.protos_and_services("kvbudget.proto")  # type: ignore[no-any-return]
 
 
+def _vllm_client_error(exc: BaseException) -> bool:
+    """vLLM's own request validation (``VLLMClientError``: not a ValueError)."""
+    return any(c.__name__ == "VLLMClientError" for c in type(exc).__mro__)
+
+
 class KvBudgetServicer:
     """The ``KvBudget`` service over one running BudgetedEngine."""
 
-    def __init__(self, engine: Any, tokenizer: Any, max_model_len: int, pb: Any) -> None:
+    def __init__(
+        self, engine: Any, tokenizer: Any, max_model_len: int, pb: Any, model: str = "",
+        api_keys: ApiKeys | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.pb = pb
+        self.model = model
+        self.api_keys = api_keys
+        self.vocab_size = _common.vocab_size(tokenizer)
 
     def _options(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         metadata = {
             k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)
         }
+        key = None
+        if self.api_keys is not None:  # Unauthorized: before anything else is looked at
+            key = self.api_keys.authenticate(metadata.get("authorization"))
         opts = _common.options_from_headers(metadata)
         deadline = context.time_remaining()
-        return _common.RequestOptions(
+        opts = _common.RequestOptions(
             service_class=request.service_class or opts.service_class,
             tenant=request.tenant or opts.tenant,
             task=opts.task,
@@ -90,6 +106,18 @@ class KvBudgetServicer:
             on_exhausted="continue" if request.allow_continuation else opts.on_exhausted,
             deadline=max(deadline, 1e-3) if deadline is not None else opts.deadline,
         )
+        asked = request.service_class or metadata.get(_common.HEADER_CLASS.lower()) or None
+        return _common.apply_api_key(opts, key, asked)
+
+    def _prompt(self, request: Any) -> list[int]:
+        if len(request.prompt_token_ids):
+            return _common.check_token_ids(
+                list(request.prompt_token_ids), self.vocab_size, "prompt_token_ids"
+            )
+        ids = list(self.tokenizer.encode(request.prompt)) if request.prompt else []
+        if not ids:
+            raise _common.BadRequest("prompt or prompt_token_ids is required", "prompt")
+        return ids
 
     def _sampling(self, request: Any, prompt_len: int) -> Any:
         from vllm import SamplingParams
@@ -100,15 +128,27 @@ class KvBudgetServicer:
             raise _common.BadRequest(
                 f"the prompt has {prompt_len} tokens; the model's context is {self.max_model_len}"
             )
+        if request.max_tokens > self.max_model_len:
+            raise _common.BadRequest(
+                f"max_tokens={request.max_tokens} cannot be greater than max_model_len="
+                f"{self.max_model_len}", "max_tokens",
+            )
+        fields = {"temperature": float(request.temperature)}
+        if request.HasField("seed"):
+            fields["seed"] = int(request.seed)
         kw: dict[str, Any] = {
-            "max_tokens": request.max_tokens or room,
-            "temperature": float(request.temperature),
+            # the hard max is min(max_tokens, room) whatever was asked: vLLM caps it too
+            "max_tokens": min(request.max_tokens or room, room),
             "ignore_eos": request.ignore_eos,
             "output_kind": RequestOutputKind.DELTA,
+            **_common.sampling_values(fields),
         }
-        if request.HasField("seed"):
-            kw["seed"] = int(request.seed)
-        return SamplingParams(**kw)
+        try:
+            return SamplingParams(**kw)
+        except Exception as exc:
+            if _vllm_client_error(exc) or isinstance(exc, ValueError | TypeError):
+                raise _common.BadRequest(str(exc)) from None
+            raise
 
     async def Generate(  # the RPC name
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
@@ -119,8 +159,19 @@ class KvBudgetServicer:
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         try:
             opts = self._options(request, context)
-            ids = list(request.prompt_token_ids) or list(self.tokenizer.encode(request.prompt))
+            if request.model and request.model != self.model:
+                raise _common.ModelNotFound(request.model)
+            ids = self._prompt(request)
             sampling = self._sampling(request, len(ids))
+        except Unauthorized as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            return
+        except Forbidden as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            return
+        except _common.ModelNotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            return
         except (ValueError, TypeError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
@@ -165,7 +216,7 @@ class KvBudgetServicer:
         except kvbudget.EngineError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         except Exception as exc:
-            if type(exc).__name__ == "VLLMValidationError":
+            if _vllm_client_error(exc):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise
         finally:
@@ -178,12 +229,15 @@ class KvBudgetServicer:
     async def Snapshot(  # the RPC name
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Any:
-        return self.pb.SnapshotResponse(json=json.dumps(snapshot_to_dict(self.engine.snapshot())))
+        data = snapshot_to_dict(self.engine.snapshot())
+        data["names"] = self.engine.budget.names.to_dict()
+        return self.pb.SnapshotResponse(json=json.dumps(data))
 
 
 async def serve(argv: list[str] | None = None) -> None:
     parser = _common.make_parser("gRPC server over kvbudget + vLLM", 50051)
     args = parser.parse_args(argv)
+    _common.api_keys(args)  # a bad keys file stops the server before the engine starts
     _common.configure_env()
     _common.configure_logging(args.events)
     pb, services = load_protos()
@@ -193,7 +247,11 @@ async def serve(argv: list[str] | None = None) -> None:
         max_model_len = int(engine.max_model_len)
         server = grpc.aio.server()
         services.add_KvBudgetServicer_to_server(
-            KvBudgetServicer(engine, tokenizer, max_model_len, pb), server
+            KvBudgetServicer(
+                engine, tokenizer, max_model_len, pb, _common.model_name(args),
+                _common.api_keys(args),
+            ),
+            server,
         )
         address = f"{args.host}:{args.port}"
         server.add_insecure_port(address)

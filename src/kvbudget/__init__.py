@@ -27,6 +27,7 @@ from kvbudget.errors import (
     EngineDead,
     EngineError,
     EngineStalled,
+    Forbidden,
     GrantExceeded,
     HardLimitExceeded,
     InvalidInput,
@@ -35,10 +36,12 @@ from kvbudget.errors import (
     Overloaded,
     PolicyViolation,
     Preempted,
+    Unauthorized,
     UnknownClass,
     UnknownPolicy,
     UnknownRequest,
 )
+from kvbudget.names import NameFolder, NameLimits
 
 __version__ = "0.1.0"
 
@@ -59,6 +62,7 @@ __all__ = [
     "EngineDead",
     "EngineError",
     "EngineStalled",
+    "Forbidden",
     "GenerationResult",
     "GenerationStep",
     "GrantExceeded",
@@ -67,6 +71,8 @@ __all__ = [
     "InvalidTransition",
     "KvBudgetError",
     "Lease",
+    "NameFolder",
+    "NameLimits",
     "Overloaded",
     "Policy",
     "PolicyViolation",
@@ -77,6 +83,7 @@ __all__ = [
     "ServiceClass",
     "ShellCounters",
     "Snapshot",
+    "Unauthorized",
     "UnknownClass",
     "UnknownPolicy",
     "UnknownRequest",

@@ -58,6 +58,7 @@ from kvbudget.errors import (
     Preempted,
     UnknownRequest,
 )
+from kvbudget.names import NameFolder, NameLimits
 from kvbudget.observability import get_logger
 
 if TYPE_CHECKING:
@@ -512,6 +513,10 @@ class Budget:
     ``stall_timeout``: the longest an engine step may take in :meth:`generate` before
     EngineStalled (None: no limit). ``engine``: the engine whose ``kv_used_blocks()`` reconciles
     unconfirmed stops (:meth:`generate` attaches the engine it is given if none is set).
+    ``names``: how many client-chosen tenants and tasks are kept apart before the rest fold into
+    ``other`` (:class:`~kvbudget.names.NameLimits`, default 64 of each; the keys of
+    ``config.tenant_weights`` are always kept); applied to every spec :meth:`lease` and
+    :meth:`generate` take, so the core never sees an unbounded set of names.
     """
 
     def __init__(
@@ -529,6 +534,7 @@ class Budget:
         tick_interval: float = 0.05,
         stall_timeout: float | None = None,
         engine: Engine | None = None,
+        names: NameLimits | NameFolder | None = None,
     ) -> None:
         if shutdown not in ("drain", "cancel"):
             raise InvalidInput("shutdown", shutdown, "'drain' or 'cancel'")
@@ -536,6 +542,11 @@ class Budget:
             capacity, classes=classes, policy=policy, lengths=lengths, cost=cost, config=config
         )
         self.config = self._sched.config
+        if not isinstance(names, NameFolder):
+            limits = names if names is not None else NameLimits()
+            names = NameFolder(limits.with_known(tenants=self.config.tenant_weights))
+        #: the folder that bounds client-chosen tenants and tasks (see :mod:`kvbudget.names`)
+        self.names = names
         self._clock = clock
         self.shutdown = shutdown
         self.confirm_timeout = check_float(
@@ -603,7 +614,7 @@ class Budget:
         """A lease for one request; enter it (``async with``) to wait for admission."""
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise InvalidInput("request_id", request_id, "a non-empty string or None")
-        return Lease(self, spec, request_id or self.new_request_id())
+        return Lease(self, self.names.fold(spec), request_id or self.new_request_id())
 
     def confirm_release(self, request_id: str, *, attempt: int | None = None) -> bool:
         """The engine confirms that the stopped request's KV is free: its blocks return now.
@@ -882,6 +893,7 @@ class Budget:
             raise BudgetClosed()
         if self.engine is None:
             self.engine = engine
+        spec = self.names.fold(spec)
         rid = request_id or self.new_request_id()
         stall = stall_timeout if stall_timeout is not None else self.stall_timeout
         lease = None

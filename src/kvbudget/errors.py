@@ -182,6 +182,29 @@ class EngineStalled(EngineError):
     """The engine produced no step within the configured stall timeout."""
 
 
+class Unauthorized(KvBudgetError):
+    """A request without a valid API key where the server requires one (HTTP 401, gRPC
+    UNAUTHENTICATED). ``reason`` says what was wrong (missing, not a bearer token, unknown)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"invalid or missing API key: {reason}")
+
+
+class Forbidden(KvBudgetError):
+    """A valid API key asked for what it is not allowed (a service class not in its list):
+    HTTP 403, gRPC PERMISSION_DENIED."""
+
+    def __init__(self, tenant: str, what: str, allowed: tuple[str, ...]) -> None:
+        self.tenant = tenant
+        self.what = what
+        self.allowed = allowed
+        super().__init__(
+            f"the API key of tenant {tenant!r} may not use {what}; allowed: "
+            f"{', '.join(allowed) or '(none)'}"
+        )
+
+
 class BudgetClosed(KvBudgetError):
     """The budget is shutting down or closed and takes no new requests."""
 

@@ -650,6 +650,18 @@ class PrometheusExporter:
                     fam.add_metric(const_values, float(getattr(shell, attr)))
                 yield fam
 
+        folder = _name_folder(self._owner)
+        fam = counter(
+            PREFIX + "folded_names",
+            "Requests whose client-chosen tenant or task was folded into 'other' (the limits "
+            "of kvbudget.names.NameLimits), by kind.",
+            labels=[*const_names, "kind"],
+        )
+        if snap is not None and folder is not None:
+            for kind in ("tenant", "task"):
+                fam.add_metric([*const_values, kind], float(folder.folded[kind]))
+        yield fam
+
         ulabels = [*const_names, "dimension", "value"]
         under = snap.underestimation if snap is not None else None
         series: list[tuple[str, str, UnderestimationStats]] = []
@@ -666,12 +678,23 @@ class PrometheusExporter:
             yield fam
 
 
+def _name_folder(owner: Any) -> Any:
+    """The owner's :class:`~kvbudget.names.NameFolder` (a Budget's, or a BudgetedEngine's
+    budget's), or None."""
+    for source in (owner, getattr(owner, "budget", None)):
+        folder = getattr(source, "names", None)
+        if folder is not None and hasattr(folder, "folded"):
+            return folder
+    return None
+
+
 def metric_names() -> list[str]:
     """Every metric name the exporter exposes (counters with their ``_total`` suffix)."""
     names = [PREFIX + "info", *(PREFIX + n for n in GAUGES)]
     names += [PREFIX + n + "_total" for n in COUNTERS]
     names += [PREFIX + "rejections_by_reason_total", PREFIX + "engine_preemptions_total"]
     names += [PREFIX + n + "_total" for n in SHELL_COUNTERS]
+    names += [PREFIX + "folded_names_total"]
     names += [PREFIX + n for n in UNDERESTIMATION]
     return names
 

@@ -38,8 +38,26 @@ from typing import Any
 
 import attrs
 
-from kvbudget.core.model import ServiceClass
-from kvbudget.errors import InvalidInput, KvBudgetError, Overloaded, UnknownName
+from kvbudget.auth import ApiKeys, load_api_keys
+from kvbudget.core.model import DEFAULT_CLASSES, ServiceClass
+from kvbudget.core.scheduler import SchedulerConfig
+from kvbudget.errors import (
+    Forbidden,
+    InvalidInput,
+    KvBudgetError,
+    Overloaded,
+    Unauthorized,
+    UnknownName,
+)
+from kvbudget.guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_HEADER_BYTES,
+    RequestGuard,
+    api_key_of,
+    error_body,
+    send_json,
+)
+from kvbudget.names import DEFAULT_MAX_TASKS, DEFAULT_MAX_TENANTS, NameLimits
 from kvbudget.vllm import BudgetedEngine
 
 #: request headers (case-insensitive) -> the budget option they set
@@ -141,11 +159,24 @@ class BudgetOptionsMiddleware:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
+        headers = scope.get("headers", ())
         try:
-            exchange = _Exchange(options_from_headers(scope.get("headers", ())))
+            options = options_from_headers(headers)
+            key = api_key_of(scope)  # RequestGuard's, with --api-keys
+            if key is not None:
+                asked = _header(headers, ("x-kvbudget-class", "x-llm-d-inference-objective"))
+                options = attrs.evolve(
+                    options, tenant=key.tenant, service_class=key.service_class(asked)
+                )
         except InvalidInput as exc:
-            await _send_json(send, 400, _error_body(str(exc), "invalid_request_error"), {})
+            body = _error_body(str(exc), "invalid_request_error", 400, exc.field)
+            await _send_json(send, 400, body, {})
             return
+        except Forbidden as exc:
+            body = _error_body(str(exc), "permission_error", "permission_denied", "class")
+            await _send_json(send, 403, body, {})
+            return
+        exchange = _Exchange(options)
         held: dict[str, Any] | None = None
 
         async def send_held(message: dict[str, Any]) -> None:
@@ -174,6 +205,19 @@ class BudgetOptionsMiddleware:
             _EXCHANGE.reset(token)
 
 
+def _header(headers: Iterable[tuple[bytes, bytes]], names: tuple[str, ...]) -> str | None:
+    """The first of ``names`` (in that order of precedence) the request carries, stripped."""
+    found: dict[str, str] = {}
+    for raw_name, raw_value in headers:
+        name = raw_name.decode("latin-1").lower()
+        if name in names:
+            found.setdefault(name, raw_value.decode("latin-1").strip())
+    for name in names:
+        if found.get(name):
+            return found[name]
+    return None
+
+
 def _is_event_stream(start: dict[str, Any]) -> bool:
     if start.get("status") != 200:
         return False
@@ -191,16 +235,13 @@ def _overloaded_body(exc: Overloaded) -> dict[str, Any]:
     )
 
 
-def _error_body(message: str, type_: str, code: str | int | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+def _error_body(
+    message: str, type_: str, code: str | int | None = None, param: str | None = None
+) -> dict[str, Any]:
+    return error_body(message, type_, code, param)
 
 
-async def _send_json(send: Any, status: int, body: dict[str, Any], headers: dict[str, str]) -> None:
-    data = json.dumps(body).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": data})
+_send_json = send_json
 
 
 def retry_after_header(retry_after: float) -> dict[str, str]:
@@ -277,9 +318,19 @@ async def _watched(
             raise
 
 
-def install(app: Any, engine: BudgetedEngine) -> Any:
-    """Add the budget's parts to vLLM's FastAPI ``app``: the header middleware, the 429/400
-    handlers, ``GET /kvbudget/snapshot`` and the Prometheus exporter. Returns the exporter."""
+def install(
+    app: Any,
+    engine: BudgetedEngine,
+    *,
+    api_keys: ApiKeys | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+) -> Any:
+    """Add the budget's parts to vLLM's FastAPI ``app``: the :class:`~kvbudget.guard.
+    RequestGuard` (413 for oversized requests, 401 without a valid key when ``api_keys``), the
+    header middleware (the key's tenant and allowed classes win over the headers: 403), the
+    429/400 handlers, ``GET /kvbudget/snapshot`` and the Prometheus exporter. Returns the
+    exporter."""
     from fastapi.responses import JSONResponse
 
     from kvbudget.observability import PrometheusExporter, snapshot_to_dict
@@ -297,14 +348,37 @@ def install(app: Any, engine: BudgetedEngine) -> Any:
     app.add_exception_handler(InvalidInput, invalid)
     app.add_exception_handler(UnknownName, invalid)
 
+    async def unauthorized(_request: Any, exc: Exception) -> Any:
+        return JSONResponse(
+            _error_body(str(exc), "invalid_request_error", "invalid_api_key"), status_code=401
+        )
+
+    async def forbidden(_request: Any, exc: Exception) -> Any:
+        return JSONResponse(
+            _error_body(str(exc), "permission_error", "permission_denied"), status_code=403
+        )
+
+    app.add_exception_handler(Unauthorized, unauthorized)
+    app.add_exception_handler(Forbidden, forbidden)
+
     async def snapshot() -> Any:
-        return JSONResponse(snapshot_to_dict(engine.snapshot()))
+        data = snapshot_to_dict(engine.snapshot())
+        data["names"] = engine.budget.names.to_dict()
+        return JSONResponse(data)
 
     app.add_api_route("/kvbudget/snapshot", snapshot, methods=["GET"])
     from starlette.middleware import Middleware
 
-    # vLLM's build_app has built the middleware stack already: add ours and let it rebuild
+    # vLLM's build_app has built the middleware stack already: add ours and let it rebuild;
+    # the guard outermost (a request too large or without a key is answered before anything)
     app.user_middleware.insert(0, Middleware(BudgetOptionsMiddleware))
+    app.user_middleware.insert(
+        0,
+        Middleware(
+            RequestGuard, api_keys=api_keys, max_body_bytes=max_body_bytes,
+            max_header_bytes=max_header_bytes,
+        ),
+    )
     app.middleware_stack = None
     try:
         from vllm.v1.metrics.prometheus import get_prometheus_registry
@@ -347,6 +421,29 @@ def make_parser() -> Any:
         "--kvbudget-classes", default=None, metavar="FILE",
         help="service classes: a JSON list of ServiceClass fields (default: interactive, batch)",
     )
+    group.add_argument(
+        "--api-keys", "--kvbudget-api-keys", dest="kvbudget_api_keys", default=None,
+        metavar="FILE",
+        help="JSON file of API keys -> {tenant, weight, classes} (kvbudget.auth): /v1 requests "
+             "need 'Authorization: Bearer KEY' and run as the key's tenant (not with --api-key)",
+    )
+    group.add_argument(
+        "--kvbudget-max-tenants", type=int, default=DEFAULT_MAX_TENANTS, metavar="N",
+        help=f"client-named tenants kept apart before the rest fold into 'other' (default "
+             f"{DEFAULT_MAX_TENANTS}; configured ones always kept)",
+    )
+    group.add_argument(
+        "--kvbudget-max-tasks", type=int, default=DEFAULT_MAX_TASKS, metavar="N",
+        help=f"the same for X-KVBudget-Task (default {DEFAULT_MAX_TASKS})",
+    )
+    group.add_argument(
+        "--kvbudget-max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+        help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    group.add_argument(
+        "--kvbudget-max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES, metavar="N",
+        help=f"larger request headers get 413 (default {DEFAULT_MAX_HEADER_BYTES})",
+    )
     return parser
 
 
@@ -358,6 +455,21 @@ async def serve(args: argparse.Namespace) -> None:
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
 
     classes = load_classes(args.kvbudget_classes) if args.kvbudget_classes else None
+    keys = None
+    config = None
+    if getattr(args, "kvbudget_api_keys", None):
+        if getattr(args, "api_key", None):
+            raise InvalidInput(
+                "--api-keys", args.kvbudget_api_keys, "not together with vLLM's --api-key"
+            )
+        keys = load_api_keys(args.kvbudget_api_keys)
+        keys.check_classes(c.name for c in (classes or DEFAULT_CLASSES))
+        config = SchedulerConfig(tenant_weights=keys.tenant_weights())
+    limits = NameLimits(
+        max_tenants=getattr(args, "kvbudget_max_tenants", DEFAULT_MAX_TENANTS),
+        max_tasks=getattr(args, "kvbudget_max_tasks", DEFAULT_MAX_TASKS),
+        known_tenants=keys.tenants if keys is not None else (),
+    )
     listen_address, sock = setup_server(args, reuse_port=False)
     engine_args = AsyncEngineArgs.from_cli_args(args)
     names = getattr(args, "served_model_name", None)
@@ -366,6 +478,8 @@ async def serve(args: argparse.Namespace) -> None:
         classes=classes,
         policy=args.kvbudget_policy,
         model=names[0] if names else None,
+        config=config,
+        names=limits,
     )
     try:
         async with engine:
@@ -373,7 +487,13 @@ async def serve(args: argparse.Namespace) -> None:
             supported_tasks = await client.get_supported_tasks()
             app = build_app(args, supported_tasks, client.model_config)
             await init_app_state(client, app.state, args, supported_tasks)
-            exporter = install(app, engine)
+            exporter = install(
+                app, engine, api_keys=keys,
+                max_body_bytes=getattr(args, "kvbudget_max_body_bytes", DEFAULT_MAX_BODY_BYTES),
+                max_header_bytes=getattr(
+                    args, "kvbudget_max_header_bytes", DEFAULT_MAX_HEADER_BYTES
+                ),
+            )
             print(f"kvbudget serve: listening on {listen_address}", flush=True)
             try:
                 shutdown = await serve_http(

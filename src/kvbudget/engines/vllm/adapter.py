@@ -62,12 +62,13 @@ from kvbudget.errors import (
     InvalidInput,
 )
 from kvbudget.errors import RequestAborted as RequestAborted
+from kvbudget.names import NameFolder, NameLimits
 from kvbudget.observability import get_logger
 
 if TYPE_CHECKING:
     from kvbudget.core.cost import CostModel
-    from kvbudget.core.ledger import Request
     from kvbudget.core.lengths import LengthModel
+    from kvbudget.core.lifecycle import Request
     from kvbudget.core.policy import Policy
     from kvbudget.core.stats import Snapshot
 
@@ -774,6 +775,8 @@ class BudgetedEngine:
     the stop is counted unconfirmed. ``reconcile_interval``: seconds between reconciliations
     (None: off). ``model``: the calibration key's model name (default: the served model name).
     ``owns_engine``: shut the engine down on exit (default True only from engine args).
+    ``names``: the bound on client-chosen tenants and tasks (:class:`~kvbudget.names.NameLimits`;
+    see :class:`~kvbudget.Budget`).
     """
 
     def __init__(
@@ -793,6 +796,7 @@ class BudgetedEngine:
         confirm_probe_s: float = 0.05,
         model: str | None = None,
         owns_engine: bool = False,
+        names: NameLimits | NameFolder | None = None,
     ) -> None:
         _require_vllm()
         self.engine = engine
@@ -836,6 +840,7 @@ class BudgetedEngine:
             tick_interval=tick_interval,
             stall_timeout=stall_timeout,
             engine=None,
+            names=names,
         )
         self.stats.on_step = self._observe_step
         self.reconcile_interval = reconcile_interval
@@ -1027,6 +1032,23 @@ class BudgetedEngine:
             "forms are not supported by kvbudget)",
         )
 
+    def _check_vocabulary(self, prompt_ids: list[int]) -> None:
+        """vLLM's own vocabulary check (``renderer.validate_token_ids``), before the budget
+        admits anything: inside ``add_request`` it would fail the request after admission (a
+        500 from a server) for what is the client's mistake (InvalidInput: a 400)."""
+        validate = getattr(getattr(self.engine, "renderer", None), "validate_token_ids", None)
+        if validate is None:
+            return
+        try:
+            validate(prompt_ids)
+        except Exception as exc:
+            if any(c.__name__ == "VLLMClientError" for c in type(exc).__mro__):
+                bad = min(prompt_ids) if min(prompt_ids) < 0 else max(prompt_ids)
+                raise InvalidInput(
+                    "prompt_token_ids", bad, f"token ids in the model's vocabulary ({exc})"
+                ) from None
+            raise
+
     def generate(
         self,
         prompt: Any,
@@ -1116,6 +1138,7 @@ class BudgetedEngine:
             raise InvalidInput("sampling_params.n", sampling_params.n, "1 (n > 1 is not supported)")
         blockers = pause_blockers(sampling_params)
         prompt_ids, prompt_text = self._prompt_ids(prompt)
+        self._check_vocabulary(prompt_ids)
         if not _tokens_only(prompt):
             blockers.append("prompt")  # multimodal or other inputs: a resubmission would lose them
         n_prompt = len(prompt_ids)
