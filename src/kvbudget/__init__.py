@@ -6,18 +6,18 @@ engine's confirmation, and early "overloaded" for callers the queue cannot serve
 """
 
 from kvbudget.budget import Budget, GenerationResult, GenerationStep, Lease, ShellCounters
+from kvbudget.core.config import SchedulerConfig
 from kvbudget.core.model import (
     BATCH,
     DEFAULT_CLASSES,
     INTERACTIVE,
     Capacity,
-    Checkpoint,
-    Continuation,
     RequestSpec,
     ServiceClass,
 )
 from kvbudget.core.policy import POLICY_NAMES, CalibratedPolicy, Policy, make_policy
-from kvbudget.core.scheduler import Scheduler, SchedulerConfig
+from kvbudget.core.resume import Checkpoint, Continuation
+from kvbudget.core.scheduler import Scheduler
 from kvbudget.core.stats import Snapshot
 from kvbudget.errors import (
     AlreadyReleased,

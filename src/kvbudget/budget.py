@@ -38,10 +38,18 @@ import attrs
 from anyio.streams.memory import MemoryObjectSendStream
 
 from kvbudget.core import events as ev
-from kvbudget.core.ledger import Request, State
-from kvbudget.core.lifecycle import LIVE_STATES, QUEUED_STATES, STOPPING_STATES, TERMINAL_STATES
-from kvbudget.core.model import Capacity, Checkpoint, RequestSpec, ServiceClass, check_float
-from kvbudget.core.scheduler import Scheduler, SchedulerConfig
+from kvbudget.core.config import SchedulerConfig
+from kvbudget.core.lifecycle import (
+    LIVE_STATES,
+    QUEUED_STATES,
+    STOPPING_STATES,
+    TERMINAL_STATES,
+    Request,
+    State,
+)
+from kvbudget.core.model import Capacity, RequestSpec, ServiceClass
+from kvbudget.core.resume import Checkpoint
+from kvbudget.core.scheduler import Scheduler
 from kvbudget.core.stats import Snapshot
 from kvbudget.engines.base import Engine, EngineStep, engine_request_id
 from kvbudget.errors import (
@@ -60,6 +68,7 @@ from kvbudget.errors import (
 )
 from kvbudget.names import NameFolder, NameLimits
 from kvbudget.observability import get_logger
+from kvbudget.validate import check_float
 
 if TYPE_CHECKING:
     from kvbudget.core.cost import CostModel

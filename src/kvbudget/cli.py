@@ -349,8 +349,8 @@ def _workload_from(args: argparse.Namespace) -> Any:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from kvbudget.core.config import SchedulerConfig
     from kvbudget.core.policy import POLICY_NAMES
-    from kvbudget.core.scheduler import SchedulerConfig
     from kvbudget.errors import KvBudgetError
     from kvbudget.sim import report
     from kvbudget.sim.driver import run_policies

@@ -39,8 +39,8 @@ from typing import Any
 import attrs
 
 from kvbudget.auth import ApiKeys, load_api_keys
+from kvbudget.core.config import SchedulerConfig
 from kvbudget.core.model import DEFAULT_CLASSES, ServiceClass
-from kvbudget.core.scheduler import SchedulerConfig
 from kvbudget.errors import (
     Forbidden,
     InvalidInput,

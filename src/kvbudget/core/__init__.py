@@ -8,6 +8,7 @@ read), ``policy`` (decisions), ``config`` and ``scheduler`` (the passes), ``stat
 the snapshot). docs/architecture.md draws the imports.
 """
 
+from kvbudget.core.config import SchedulerConfig
 from kvbudget.core.cost import CostModel, StepTimeModel
 from kvbudget.core.events import (
     Abort,
@@ -31,16 +32,15 @@ from kvbudget.core.events import (
     Tick,
     TokensGenerated,
 )
-from kvbudget.core.ledger import TRANSITIONS, Ledger, Outcome, Request, State, Trigger
+from kvbudget.core.ledger import Ledger
 from kvbudget.core.lengths import LengthModel
+from kvbudget.core.lifecycle import TRANSITIONS, Outcome, Request, State, Trigger
 from kvbudget.core.model import (
     BATCH,
     DEFAULT_CLASSES,
     INTERACTIVE,
     CalibrationKey,
     Capacity,
-    Checkpoint,
-    Continuation,
     RequestSpec,
     ServiceClass,
     blocks_for,
@@ -59,7 +59,8 @@ from kvbudget.core.policy import (
     SegmentedPolicy,
     make_policy,
 )
-from kvbudget.core.scheduler import Scheduler, SchedulerConfig
+from kvbudget.core.resume import Checkpoint, Continuation
+from kvbudget.core.scheduler import Scheduler
 from kvbudget.core.stats import Snapshot
 
 __all__ = [

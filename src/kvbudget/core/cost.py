@@ -44,9 +44,8 @@ from typing import Any, Final
 
 import attrs
 
-from kvbudget.core.model import check_float, check_int
 from kvbudget.errors import InvalidInput
-from kvbudget.validate import nonnegative
+from kvbudget.validate import check_float, check_int, nonnegative
 
 __all__ = ["DEFAULT_STEP_TIME", "CostModel", "StepTimeModel"]
 

@@ -12,7 +12,8 @@ from typing import Literal
 
 import attrs
 
-from kvbudget.core.model import Checkpoint, Continuation, RequestSpec, StopReason
+from kvbudget.core.model import RequestSpec, StopReason
+from kvbudget.core.resume import Checkpoint, Continuation
 
 # -- events -------------------------------------------------------------------------------------
 

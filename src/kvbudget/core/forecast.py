@@ -2,9 +2,10 @@
 turned away, what it is told to retry after, and whether its first token would be late.
 
 It learns from three streams the scheduler feeds it (blocks released, the prompt tokens of
-callers under a first-token objective, whether each first token met its objective) and reads
-the rest from the scheduler through :class:`~kvbudget.core.view.SchedulerView`. It decides
-nothing: the scheduler turns callers away on its answers.
+callers under a first-token objective, whether each first token met its objective); it is handed
+the scheduler's queues and configuration, and reads the rest of the scheduler through
+:class:`~kvbudget.core.view.SchedulerView`. It decides nothing: the scheduler turns callers away
+on its answers.
 """
 
 from __future__ import annotations

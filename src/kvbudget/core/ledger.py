@@ -45,8 +45,9 @@ from kvbudget.core.lifecycle import (
     check_transition,
     transition,
 )
-from kvbudget.core.model import Capacity, blocks_for, check_int
+from kvbudget.core.model import Capacity, blocks_for
 from kvbudget.errors import PolicyViolation
+from kvbudget.validate import check_int
 
 # the lifecycle's names stay importable from here, where they used to live
 __all__ = [
@@ -64,7 +65,8 @@ __all__ = [
 
 
 class Ledger:
-    """Block accounting and lifecycle transitions; the scheduler decides, the ledger books."""
+    """Block accounting and the pool rules; the scheduler decides, the ledger books (states change
+    through :mod:`kvbudget.core.lifecycle`)."""
 
     __slots__ = (
         "active_generated",
@@ -125,18 +127,18 @@ class Ledger:
     def fits_admission(self, blocks: int) -> bool:
         return self.free - blocks >= self.headroom_target
 
-    def floor(self, protected: bool) -> int:
+    def protected_floor(self, protected: bool) -> int:
         """The free blocks a request may not take: the protected part of the headroom, unless
         the request is of a protected class. (The protected-floor rule: the one place it is.)"""
         return 0 if protected else self.protected_blocks
 
     def spare(self, protected: bool) -> int:
         """Free blocks a request of a protected class (or not) may take for an extension."""
-        return self.free - self.floor(protected)
+        return self.free - self.protected_floor(protected)
 
     def room(self, protected: bool) -> int:
         """The most blocks one request could ever hold: a grant larger can never be made."""
-        return self.capacity.blocks - self.floor(protected)
+        return self.capacity.blocks - self.protected_floor(protected)
 
     def fits_extension(self, blocks: int, protected: bool) -> bool:
         return self.spare(protected) >= blocks

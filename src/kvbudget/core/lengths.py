@@ -45,8 +45,9 @@ from typing import Any, Final
 
 import attrs
 
-from kvbudget.core.model import CalibrationKey, check_float, check_int
+from kvbudget.core.model import CalibrationKey
 from kvbudget.errors import InvalidInput
+from kvbudget.validate import check_float, check_int
 
 __all__ = [
     "BUCKET_EDGES",

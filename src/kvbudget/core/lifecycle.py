@@ -165,11 +165,11 @@ class Request:
         "expiry",
         "ext_pending",
         "first_token_at",
-        "floor",
         "generated",
         "hard_max",
         "key",
         "last_token_at",
+        "latency_floor",
         "outcome",
         "preemptions",
         "prefill_ahead",
@@ -226,7 +226,9 @@ class Request:
         self.release_started_at: float | None = None
         self.unconfirmed = False
         self.expiry = float("inf")  # when it is turned away if still queued (the scheduler's)
-        self.floor = cls.latency_floor_s if cls.latency_floor_s is not None else float("inf")
+        #: the slowest inter-token gap this stream may see (inf: none)
+        floor = cls.latency_floor_s
+        self.latency_floor = floor if floor is not None else float("inf")
         self.continuation_seq = 0
         self.stats = stats
 

@@ -57,18 +57,10 @@ from kvbudget.core.lifecycle import (
     State,
     Trigger,
 )
-from kvbudget.core.model import (
-    Capacity,
-    Continuation,
-    RequestSpec,
-    ServiceClass,
-    check_float,
-    check_int,
-    class_table,
-    lookup_class,
-)
+from kvbudget.core.model import Capacity, RequestSpec, ServiceClass, class_table, lookup_class
 from kvbudget.core.policy import Blocked, Policy, resolve_policy
 from kvbudget.core.queue import Queues
+from kvbudget.core.resume import Continuation
 from kvbudget.core.stats import Counters, Snapshot, sum_counters
 from kvbudget.errors import (
     AlreadyReleased,
@@ -79,6 +71,7 @@ from kvbudget.errors import (
     PolicyViolation,
     UnknownRequest,
 )
+from kvbudget.validate import check_float, check_int
 
 _NOTHING: tuple[ev.Action, ...] = ()
 _LIVE = LIVE_STATES
@@ -333,7 +326,7 @@ class Scheduler:
         else:
             lifecycle.check_transition(req, Trigger.TOKENS)
         last = req.last_token_at
-        if last is not None and now - last > req.floor:
+        if last is not None and now - last > req.latency_floor:
             req.stats.stalls += 1
         req.last_token_at = now
         self.active_context += tokens
@@ -408,8 +401,7 @@ class Scheduler:
             lifecycle.transition(req, Trigger.FINISH)
             return []
         was_preempting = req.state is State.PREEMPTING
-        self._stop(req, Trigger.FINISH, now)
-        lifecycle.settle(req, Outcome.COMPLETED)
+        self._stop(req, Trigger.FINISH, now, Outcome.COMPLETED)
         if was_preempting:
             req.resume = None  # it finished before its preemption landed: nothing to resume
         self.lengths.observe(req.key, req.generated, censored=False)
@@ -434,11 +426,11 @@ class Scheduler:
             self._forget(req)
             return self._pump(now)
         if req.state is State.RELEASING:
+            lifecycle.transition(req, Trigger.CANCEL)  # late news of the same stop
             return []
         lifecycle.check_transition(req, Trigger.CANCEL)
         was_live = req.state in _LIVE
-        self._stop(req, Trigger.CANCEL, now)
-        lifecycle.settle(req, Outcome.CANCELLED)
+        self._stop(req, Trigger.CANCEL, now, Outcome.CANCELLED)
         if req.generated > 0:
             self.lengths.observe(req.key, req.generated, censored=True)
         actions: list[ev.Action] = []
@@ -458,12 +450,16 @@ class Scheduler:
             self._forget(req)
             return self._pump(now)
         if req.state is State.RELEASING:
+            lifecycle.transition(req, Trigger.FAIL)  # late news of the same stop
             return []
-        self._stop(req, Trigger.FAIL, now)
-        lifecycle.settle(req, Outcome.FAILED)
+        self._stop(req, Trigger.FAIL, now, Outcome.FAILED)
         return self._pump(now)
 
-    def _stop(self, req: Request, trigger: Trigger, now: float) -> None:
+    def _stop(
+        self, req: Request, trigger: Trigger, now: float, outcome: Outcome | None = None
+    ) -> None:
+        """Stop ``req`` in the engine's name (its blocks stay charged until the confirmation)
+        and, unless it will resume (a preemption), book how it ended (``outcome``)."""
         was_live = req.state in _LIVE
         self.ledger.stop(req, trigger)
         if was_live:
@@ -480,6 +476,8 @@ class Scheduler:
             self._stopping[req.request_id] = req
         elif req.state is State.RELEASING and trigger is not Trigger.PREEMPT:
             self.preempting -= 1  # a preempted request stopped for good before its confirmation
+        if outcome is not None:
+            lifecycle.settle(req, outcome)
 
     def _prefill_done(self, req: Request) -> None:
         """``req``'s prefill leaves the engine's queue (its first token came, or it left)."""
@@ -493,17 +491,18 @@ class Scheduler:
         del self.live[req.request_id]
         self.active_context -= req.prompt + req.generated
         self.policy.on_leave(req)
-        n = self._active_by_floor[req.floor] - 1
+        n = self._active_by_floor[req.latency_floor] - 1
         if n:
-            self._active_by_floor[req.floor] = n
+            self._active_by_floor[req.latency_floor] = n
         else:
-            del self._active_by_floor[req.floor]
+            del self._active_by_floor[req.latency_floor]
 
     def _enter_active(self, req: Request) -> None:
         self.active += 1
         self.live[req.request_id] = req
         self.active_context += req.prompt + req.generated
-        self._active_by_floor[req.floor] = self._active_by_floor.get(req.floor, 0) + 1
+        floor = req.latency_floor
+        self._active_by_floor[floor] = self._active_by_floor.get(floor, 0) + 1
 
     # == confirmation ==============================================================================
 
@@ -785,8 +784,7 @@ class Scheduler:
         )
 
     def _continue(self, req: Request, now: float, actions: list[ev.Action]) -> None:
-        self._stop(req, Trigger.CONTINUE, now)
-        lifecycle.settle(req, Outcome.CONTINUED)
+        self._stop(req, Trigger.CONTINUE, now, Outcome.CONTINUED)
         req.continuation_seq += 1
         cont = Continuation(
             request_id=req.request_id,
@@ -989,8 +987,7 @@ class Scheduler:
         # alone (or beside work that cannot resume), holding every block it could get, and
         # still short: the request needs more KV than the engine has. End it explicitly rather
         # than cut it silently.
-        self._stop(head, Trigger.FAIL, now)
-        lifecycle.settle(head, Outcome.FAILED)
+        self._stop(head, Trigger.FAIL, now, Outcome.FAILED)
         actions.append(ev.Abort(head.request_id, "capacity-exhausted"))
 
     # == reporting =================================================================================

@@ -2,7 +2,8 @@
 
 The counters are plain mutable slots bumped on the hot path; ``Scheduler.snapshot`` turns them
 and the ledger into one frozen :class:`Snapshot` that shells expose as ``Budget.snapshot()``, log
-as structlog events and export to Prometheus. Nothing here depends on the rest of the core.
+as structlog events and export to Prometheus. Nothing here depends on the rest of the core but
+the length model's report type (for typing only).
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from kvbudget.core.config import SchedulerConfig
     from kvbudget.core.cost import CostModel
     from kvbudget.core.ledger import Ledger
     from kvbudget.core.lengths import LengthModel
@@ -26,8 +25,6 @@ class SchedulerView(Protocol):
     def capacity(self) -> Capacity: ...
     @property
     def classes(self) -> Mapping[str, ServiceClass]: ...
-    @property
-    def config(self) -> SchedulerConfig: ...
     @property
     def ledger(self) -> Ledger: ...
     @property

@@ -1,6 +1,6 @@
 """The engine contract kvbudget drives: the :class:`Engine` protocol and :class:`EngineStep`.
 
-This module owns what an adapter (``engines.sim``, ``engines.vllm``) must provide so that
+This module owns what an adapter (``engines.fake``, ``engines.vllm``) must provide so that
 :meth:`kvbudget.Budget.generate` can run a request end to end over it, and the naming of engine
 requests across preemption attempts.
 
@@ -37,7 +37,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
-from kvbudget.core.model import Capacity, Checkpoint
+from kvbudget.core.model import Capacity
+from kvbudget.core.resume import Checkpoint
 
 FinishReason = Literal["stop", "length", "abort"]
 

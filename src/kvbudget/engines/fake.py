@@ -36,10 +36,11 @@ import anyio
 import attrs
 
 from kvbudget.core.cost import StepTimeModel
-from kvbudget.core.model import Capacity, Checkpoint, blocks_for, check_float, check_int
+from kvbudget.core.model import Capacity, blocks_for
+from kvbudget.core.resume import Checkpoint
 from kvbudget.engines.base import EngineStep, split_engine_request_id
 from kvbudget.errors import EngineDead, EngineError, InvalidInput
-from kvbudget.validate import fraction, nonnegative
+from kvbudget.validate import check_float, check_int, fraction, nonnegative
 
 #: ~1 ms per decode step, +1 µs per running sequence, no context or prefill cost
 DEFAULT_SIM_STEP = StepTimeModel(

@@ -74,10 +74,11 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 
 from kvbudget.core import events as ev
+from kvbudget.core.config import SchedulerConfig
 from kvbudget.core.cost import CostModel
 from kvbudget.core.lengths import LengthModel
 from kvbudget.core.policy import OraclePolicy, Policy, make_policy
-from kvbudget.core.scheduler import Scheduler, SchedulerConfig
+from kvbudget.core.scheduler import Scheduler
 from kvbudget.errors import HardLimitExceeded, InvalidInput
 from kvbudget.errors import SimulationError as SimulationError
 from kvbudget.sim.engine_model import EngineModel

@@ -47,9 +47,9 @@ from typing import Any, Final
 import attrs
 
 from kvbudget.core.cost import DEFAULT_STEP_TIME, StepTimeModel
-from kvbudget.core.model import Capacity, check_int
+from kvbudget.core.model import Capacity
 from kvbudget.errors import InvalidInput
-from kvbudget.validate import nonnegative, positive
+from kvbudget.validate import check_int, nonnegative, positive
 
 __all__ = [
     "DEFAULT_ABORT_LATENCY_S",

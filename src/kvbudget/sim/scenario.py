@@ -43,16 +43,10 @@ from typing import Any
 
 import attrs
 
-from kvbudget.core.model import (
-    BATCH,
-    INTERACTIVE,
-    RequestSpec,
-    ServiceClass,
-    check_float,
-)
+from kvbudget.core.model import BATCH, INTERACTIVE, RequestSpec, ServiceClass
 from kvbudget.errors import InvalidInput
 from kvbudget.sim.workload import Workload
-from kvbudget.validate import fraction, integer, nonnegative, positive, text
+from kvbudget.validate import check_float, fraction, integer, nonnegative, positive, text
 
 __all__ = [
     "DEFAULT_SAMPLING_PROFILES",

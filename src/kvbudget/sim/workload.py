@@ -28,9 +28,9 @@ from typing import Any
 
 import attrs
 
-from kvbudget.core.model import check_float, check_int
 from kvbudget.errors import InvalidInput
 from kvbudget.errors import TraceFormatError as TraceFormatError
+from kvbudget.validate import check_float, check_int
 
 __all__ = [
     "AZURE_CONV_ARRIVAL_CV",

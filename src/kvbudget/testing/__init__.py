@@ -54,7 +54,8 @@ trusting the ledger's bookkeeping:
 At teardown the harness drives everything to completion and asserts ``reserved == 0``.
 
 Layout: :mod:`~kvbudget.testing.strategies` (the strategies and policy factories),
-:mod:`~kvbudget.testing.machine` (the state machine, its shadow records, :func:`fingerprint`) and
+:mod:`~kvbudget.testing.machine` (the state machine and :func:`fingerprint`),
+:mod:`~kvbudget.testing.shadow` (the harness's record of one request) and
 :mod:`~kvbudget.testing.invariants` (one check per item above, and when each runs). Every public
 name is importable from here.
 """

@@ -1,10 +1,10 @@
 """The state machine: the engine and the clients, played against a Scheduler.
 
 This module owns :class:`BudgetStateMachine` (its rules, the replay of the actions the scheduler
-returns, the teardown that drives every request to its end), :class:`Shadow`, the harness's own
-record of one request (what it sent, what the engine holds, which actions it received), and
-:func:`fingerprint` (everything observable about a scheduler, to assert that an error changed
-nothing). The checks of DESIGN §4 it runs live in :mod:`kvbudget.testing.invariants`.
+returns, the teardown that drives every request to its end) and :func:`fingerprint` (everything
+observable about a scheduler, to assert that an error changed nothing). Its record of each
+request is a :class:`~kvbudget.testing.shadow.Shadow`; the checks of DESIGN §4 it runs live in
+:mod:`kvbudget.testing.invariants`.
 """
 
 from __future__ import annotations

@@ -29,7 +29,11 @@ class Blocked(enum.Enum):
 
 @runtime_checkable
 class Policy(Protocol):
-    """The decisions of a budget policy. See :class:`BasePolicy` for the defaults."""
+    """The decisions of a budget policy. See :class:`BasePolicy` for the defaults.
+
+    Optional: ``acts_ahead(req) -> bool`` (:meth:`BasePolicy.acts_ahead`); the scheduler calls it
+    when a policy has it.
+    """
 
     @property
     def name(self) -> str: ...  # read-only: shipped policies set it as a ClassVar
@@ -111,6 +115,12 @@ class BasePolicy:
 
     def on_step(self) -> None:
         pass
+
+    def acts_ahead(self, req: Request) -> bool:
+        """Decide for ``req`` when an extension asked ahead of its boundary is refused, rather
+        than when it reaches the boundary? (Optional in :class:`Policy`: a policy without it
+        decides at the boundary.)"""
+        return False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -53,8 +53,9 @@ import anyio.abc
 import attrs
 
 from kvbudget.budget import Budget, GenerationResult
-from kvbudget.core.model import Capacity, Checkpoint, RequestSpec, ServiceClass
-from kvbudget.core.scheduler import SchedulerConfig
+from kvbudget.core.config import SchedulerConfig
+from kvbudget.core.model import Capacity, RequestSpec, ServiceClass
+from kvbudget.core.resume import Checkpoint
 from kvbudget.engines.base import EngineStep
 from kvbudget.errors import (
     EngineDead,
