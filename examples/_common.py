@@ -269,6 +269,37 @@ def check_model(asked: Any, served: str) -> None:
         raise ModelNotFound(asked)
 
 
+#: OpenAI request fields this example server does not implement, with the value that means "not
+#: asked for": a request that asks for one gets 400 rather than an answer that silently lacks it
+UNSUPPORTED_FIELDS: Mapping[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "prompt_logprobs": (None, 0),
+}
+
+
+def check_supported(body: Mapping[str, Any]) -> None:
+    """Refuse (BadRequest) a request that asks for a feature the example does not implement."""
+    for name, absent in UNSUPPORTED_FIELDS.items():
+        value = body.get(name)
+        if not any(value is a or (type(value) is type(a) and value == a) for a in absent):
+            raise BadRequest(f"{name} is not supported by this server", name)
+
+
 def check_token_ids(ids: Any, vocab_size: int, field: str = "prompt") -> list[int]:
     """Prompt token ids: a non-empty list of integers in ``[0, vocab_size)``."""
     if not isinstance(ids, list | tuple) or not ids:

@@ -385,6 +385,7 @@ class Server:
         if not isinstance(body, dict):
             raise _common.BadRequest("the body must be a JSON object")
         _common.check_model(body.get("model"), self.model)
+        _common.check_supported(body)
         for name in ("stream", "return_token_ids"):
             _flag(body, name)
         so = body.get("stream_options")

@@ -124,6 +124,10 @@ def test_the_issue_table(http: Any) -> None:
         ({**base, "prompt": ""}, 400),
         ({**base, "prompt": [7] * 800}, 400),
         ({**base, "prompt": "a\ud800b"}, 400),
+        # vLLM's own sampling checks against the model (SamplingParams.verify): were 500s, the
+        # engine failing the request after admission
+        ({**base, "logprobs": -1}, 400),
+        ({**base, "logit_bias": {"99999999": 5}}, 400),
     ]
     for body, status in cases:
         r = http.post("/v1/completions", content=_hostile.encode(body),

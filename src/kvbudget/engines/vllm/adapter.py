@@ -1050,6 +1050,31 @@ class BudgetedEngine:
                 ) from None
             raise
 
+    def _check_sampling(self, sampling_params: Any) -> None:
+        """vLLM's own checks of the sampling params against the model (``SamplingParams.verify``:
+        logprobs, logit_bias, stop and allowed token ids, structured outputs, ...), on a copy,
+        before the budget admits anything: inside ``add_request`` they would fail the request
+        after admission (a 500 from a server) for the client's mistake (InvalidInput: a 400)."""
+        clone = getattr(sampling_params, "clone", None)
+        processor = getattr(self.engine, "input_processor", None)
+        if clone is None or processor is None or not hasattr(sampling_params, "verify"):
+            return
+        try:
+            clone().verify(
+                processor.model_config,
+                getattr(processor, "speculative_config", None),
+                getattr(processor, "structured_outputs_config", None),
+                getattr(processor, "tokenizer", None),
+            )
+        except Exception as exc:
+            if any(c.__name__ == "VLLMClientError" for c in type(exc).__mro__):
+                field = getattr(exc, "parameter", None) or "sampling_params"
+                value = getattr(exc, "value", None)
+                raise InvalidInput(
+                    f"sampling_params.{field}", value, f"what vLLM accepts ({exc})"
+                ) from None
+            raise
+
     def generate(
         self,
         prompt: Any,
@@ -1140,6 +1165,7 @@ class BudgetedEngine:
         blockers = pause_blockers(sampling_params)
         prompt_ids, prompt_text = self._prompt_ids(prompt)
         self._check_vocabulary(prompt_ids)
+        self._check_sampling(sampling_params)
         if not _tokens_only(prompt):
             blockers.append("prompt")  # multimodal or other inputs: a resubmission would lose them
         n_prompt = len(prompt_ids)
