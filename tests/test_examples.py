@@ -69,6 +69,36 @@ class ServerProcess:
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
 
+    def wait_http(self, url: str, timeout_s: float) -> str:
+        """Wait until ``url``/health answers 200 (fail the test if the server dies or is late)."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_alive()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                    return url
+            if time.monotonic() > deadline:
+                pytest.fail(f"{self.name} not ready in {timeout_s}s:\n{self.tail()}")
+            time.sleep(0.5)
+
+    def wait_grpc(self, target: str, timeout_s: float) -> str:
+        """Wait until the gRPC channel to ``target`` is ready (as :meth:`wait_http`)."""
+        import grpc
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_alive()
+            with grpc.insecure_channel(target) as channel:
+                try:
+                    grpc.channel_ready_future(channel).result(timeout=2)
+                    return target
+                except grpc.FutureTimeoutError:
+                    pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"{self.name} not ready in {timeout_s}s:\n{self.tail()}")
+
     def terminate(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -169,19 +199,8 @@ def servers(
 
 @pytest.fixture(scope="module")
 def http_url(servers: dict[str, Any]) -> str:
-    import httpx
-
-    url: str = servers["http_url"]
     proc: ServerProcess = servers["http"]
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        proc.check_alive()
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return url
-        if time.monotonic() > deadline:
-            pytest.fail(f"fastapi_server not ready in {START_TIMEOUT_S}s:\n{proc.tail()}")
-        time.sleep(0.5)
+    return proc.wait_http(servers["http_url"], START_TIMEOUT_S)
 
 
 def _snapshot(url: str) -> dict[str, Any]:
@@ -478,21 +497,8 @@ def test_metrics_scrape_and_inspect(
 
 @pytest.fixture(scope="module")
 def grpc_target(servers: dict[str, Any]) -> str:
-    import grpc
-
-    target: str = servers["grpc_target"]
     proc: ServerProcess = servers["grpc"]
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        proc.check_alive()
-        with grpc.insecure_channel(target) as channel:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=2)
-                return target
-            except grpc.FutureTimeoutError:
-                pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"grpc_server not ready in {START_TIMEOUT_S}s:\n{proc.tail()}")
+    return proc.wait_grpc(servers["grpc_target"], START_TIMEOUT_S)
 
 
 def _protos() -> tuple[Any, Any]:

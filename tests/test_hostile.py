@@ -10,10 +10,8 @@ afterwards, and ``/metrics`` stops growing however many tenants and tasks are in
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import pathlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +25,7 @@ from test_examples import (  # noqa: F401 (loopback_only is a fixture)
     ServerProcess,
     _free_port,
     _model_dir,
+    _protos,
     loopback_only,
 )
 
@@ -80,19 +79,8 @@ def servers(
 
 @pytest.fixture(scope="module")
 def http_url(servers: dict[str, Any]) -> str:
-    import httpx
-
-    url: str = servers["http_url"]
     proc: ServerProcess = servers["http"]
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        proc.check_alive()
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return url
-        if time.monotonic() > deadline:
-            pytest.fail(f"fastapi_server not ready in {START_TIMEOUT_S}s:\n{proc.tail()}")
-        time.sleep(0.5)
+    return proc.wait_http(servers["http_url"], START_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -200,32 +188,8 @@ def test_fuzzing_left_the_budget_idle_and_invented_names_stay_bounded(http: Any)
 
 @pytest.fixture(scope="module")
 def grpc_target(servers: dict[str, Any]) -> str:
-    import grpc
-
-    target: str = servers["grpc_target"]
     proc: ServerProcess = servers["grpc"]
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        proc.check_alive()
-        with grpc.insecure_channel(target) as channel:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=2)
-                return target
-            except grpc.FutureTimeoutError:
-                pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"grpc_server not ready in {START_TIMEOUT_S}s:\n{proc.tail()}")
-
-
-def _protos() -> tuple[Any, Any]:
-    import sys
-
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        from grpc_server import load_protos
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    return load_protos()
+    return proc.wait_grpc(servers["grpc_target"], START_TIMEOUT_S)
 
 
 GRPC_OK = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED",

@@ -45,19 +45,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        import httpx
-
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            proc.check_alive()
-            try:
-                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"kvbudget serve did not start:\n{proc.tail()}")
-            time.sleep(0.5)
+        proc.wait_http(url, START_TIMEOUT_S)
         yield {"url": url, "proc": proc}
     finally:
         proc.stop()

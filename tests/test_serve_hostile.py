@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,19 +59,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        import httpx
-
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            proc.check_alive()
-            try:
-                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"kvbudget serve did not start:\n{proc.tail()}")
-            time.sleep(0.5)
+        proc.wait_http(url, START_TIMEOUT_S)
         yield {"url": url, "proc": proc}
     finally:
         proc.stop()
