@@ -235,20 +235,35 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     g.add_argument("--wave-prompt-tokens", type=_positive_int, default=512)
     g = p.add_argument_group("engine")
-    g.add_argument("--capacity-blocks", type=_positive_int, default=DEFAULT_CAPACITY_BLOCKS)
-    g.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE)
-    g.add_argument("--max-batch", type=_positive_int, default=DEFAULT_MAX_BATCH)
+    g.add_argument(
+        "--engine-profile",
+        metavar="FILE|NAME",
+        help="the engine model from a profile (kvbudget.sim.profile.EngineProfile JSON, or a "
+        "shipped one by name: "
+        + ", ".join(_shipped_profiles())
+        + "); the engine flags below override its figures",
+    )
+    g.add_argument(
+        "--capacity-blocks",
+        type=_positive_int,
+        help=f"KV cache blocks (default {DEFAULT_CAPACITY_BLOCKS})",
+    )
+    g.add_argument(
+        "--block-size", type=_positive_int, help=f"tokens per block (default {DEFAULT_BLOCK_SIZE})"
+    )
+    g.add_argument(
+        "--max-batch", type=_positive_int, help=f"batch cap (default {DEFAULT_MAX_BATCH})"
+    )
     g.add_argument(
         "--prefill-chunk",
         type=_positive_int,
-        default=DEFAULT_PREFILL_CHUNK_TOKENS,
-        help="prefill tokens per engine step",
+        help=f"prefill tokens per engine step (default {DEFAULT_PREFILL_CHUNK_TOKENS})",
     )
     g.add_argument(
         "--abort-latency",
         type=_nonneg_float,
-        default=DEFAULT_ABORT_LATENCY_S,
-        help="seconds until an abort or preemption is confirmed",
+        help="seconds until an abort or preemption is confirmed "
+        f"(default {DEFAULT_ABORT_LATENCY_S})",
     )
     g.add_argument("--step-fixed-ms", type=_nonneg_float, help="decode step fixed cost (ms)")
     g.add_argument(
@@ -286,12 +301,37 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.set_defaults(handler=_simulate)
 
 
+def _shipped_profiles() -> list[str]:
+    from kvbudget.sim.profile import shipped_profiles
+
+    return shipped_profiles()
+
+
 def _engine_from(args: argparse.Namespace) -> Any:
+    """The engine model: the defaults, or a profile's figures, each overridden by its flag."""
     from kvbudget.core.cost import DEFAULT_STEP_TIME
     from kvbudget.core.model import Capacity
-    from kvbudget.sim.engine_model import EngineModel
+    from kvbudget.sim.engine_model import (
+        DEFAULT_ABORT_LATENCY_S,
+        DEFAULT_BLOCK_SIZE,
+        DEFAULT_CAPACITY_BLOCKS,
+        DEFAULT_MAX_BATCH,
+        DEFAULT_PREFILL_CHUNK_TOKENS,
+        EngineModel,
+    )
 
-    step = DEFAULT_STEP_TIME
+    base = EngineModel(
+        capacity=Capacity(DEFAULT_CAPACITY_BLOCKS, DEFAULT_BLOCK_SIZE),
+        step=DEFAULT_STEP_TIME,
+        abort_latency_s=DEFAULT_ABORT_LATENCY_S,
+        max_batch=DEFAULT_MAX_BATCH,
+        prefill_chunk_tokens=DEFAULT_PREFILL_CHUNK_TOKENS,
+    )
+    if getattr(args, "engine_profile", None):
+        from kvbudget.sim.profile import EngineProfile
+
+        base = EngineProfile.load(args.engine_profile).engine_model()
+    step = base.step
     changes: dict[str, float] = {}
     if args.step_fixed_ms is not None:
         changes["fixed_s"] = args.step_fixed_ms / 1e3
@@ -303,12 +343,19 @@ def _engine_from(args: argparse.Namespace) -> Any:
         changes["prefill_per_token_s"] = args.prefill_per_token_us / 1e6
     if changes:
         step = attrs.evolve(step, **changes)
+
+    def given(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
     return EngineModel(
-        capacity=Capacity(args.capacity_blocks, args.block_size),
+        capacity=Capacity(
+            given(args.capacity_blocks, base.capacity.blocks),
+            given(args.block_size, base.capacity.block_size),
+        ),
         step=step,
-        abort_latency_s=args.abort_latency,
-        max_batch=args.max_batch,
-        prefill_chunk_tokens=args.prefill_chunk,
+        abort_latency_s=given(args.abort_latency, base.abort_latency_s),
+        max_batch=given(args.max_batch, base.max_batch),
+        prefill_chunk_tokens=given(args.prefill_chunk, base.prefill_chunk_tokens),
     )
 
 

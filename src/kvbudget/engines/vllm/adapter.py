@@ -65,6 +65,7 @@ from kvbudget.errors import (
 from kvbudget.errors import RequestAborted as RequestAborted
 from kvbudget.names import NameFolder, NameLimits
 from kvbudget.observability import get_logger
+from kvbudget.sim.profile import EngineProfile, StepRecorder, fit_profile
 
 if TYPE_CHECKING:
     from kvbudget.core.cost import CostModel
@@ -844,6 +845,9 @@ class BudgetedEngine:
             names=names,
         )
         self.stats.on_step = self._observe_step
+        #: the engine's recent steps as measured (for :meth:`engine_profile`)
+        self.steps = StepRecorder()
+        self.prefill_chunk_tokens = chunk
         self.reconcile_interval = reconcile_interval
         self.confirm_probe_s = confirm_probe_s
         self.owns_engine = owns_engine
@@ -899,6 +903,8 @@ class BudgetedEngine:
         no admitted request waits for its first token (else it may hold a prefill)."""
         sched = self.budget.scheduler
         context = sched.active_context
+        if prefill_tokens is not None:  # the engine's own step details: a clean record
+            self.steps.record(batch, context, prefill_tokens, seconds)
         if not prefill_tokens:  # (0: a decode step; EngineStats reports only busy ones)
             if prefill_tokens == 0 or sched.prefill_backlog == 0:
                 self.budget.observe_step(batch, context, seconds)
@@ -922,6 +928,22 @@ class BudgetedEngine:
     def engine_preemptions(self) -> int:
         """vLLM's own preemptions (Σ ``iteration_stats.num_preempted_reqs``) since start."""
         return self.stats.preemptions
+
+    def engine_profile(self, name: str, source: str) -> EngineProfile:
+        """The simulator's model of this engine (:class:`kvbudget.sim.profile.EngineProfile`),
+        fitted from the steps it ran since start (the last 20,000), with its KV cache, batch cap
+        and prefill chunk. Needs the engine's own step details (``from_engine_args`` turns them
+        on) and at least one decode step; ``source`` says what was measured (engine, model,
+        hardware, workload)."""
+        return fit_profile(
+            self.steps.steps,
+            name=name,
+            source=source,
+            capacity_blocks=self.capacity.blocks,
+            block_size=self.capacity.block_size,
+            max_batch=self.max_num_seqs,
+            prefill_chunk_tokens=self.prefill_chunk_tokens,
+        )
 
     def snapshot(self) -> Snapshot:
         """The budget's :class:`~kvbudget.core.stats.Snapshot`, with vLLM's own preemptions."""

@@ -1,0 +1,149 @@
+"""Fit the simulator's engine profile from the real engine: the tiny CPU model under vLLM.
+
+    PYTHONPATH=src:tests .venv/bin/python benchmarks/engine_profile.py \
+        [--out src/kvbudget/sim/profiles/vllm-cpu-tiny.json] [--requests 300]
+
+Starts ``BudgetedEngine.from_engine_args`` on the tiny random Llama the tests build (257 blocks of
+32 tokens, ``max_model_len`` 2048, ``max_num_seqs`` 64: the engine of
+``benchmarks/serve_bench.py`` and of the issue's runs), sends ``--requests`` requests in Poisson
+bursts with random sampling, prompts of 16-1,500 tokens (log-uniform) and outputs of 16-400
+(``ignore_eos``), so that the engine's steps cover batch sizes and contexts from 1 to its limits,
+and fits the step time from vLLM's own per-step timing (``iteration_details``) with
+:func:`kvbudget.sim.profile.fit_step_time`. Prints the fit, the fit's error on the steps it saw
+(median and p90 of |predicted - measured| / measured) and writes the profile. The last line
+printed is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import platform
+import random
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+
+BLOCKS = 257
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 2048
+MAX_NUM_SEQS = 64
+
+
+async def _run(n_requests: int, rate: float, seed: int) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    import vllm_support
+    from kvbudget.core.model import ServiceClass
+    from kvbudget.vllm import BudgetedEngine
+
+    model = vllm_support.tiny_model_dir()
+    args = vllm_support.make_engine_args(
+        model, num_blocks=BLOCKS, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=MAX_NUM_SEQS,
+    )
+    # no turn-away: every request runs, so the steps cover the whole range of batch sizes
+    classes = [ServiceClass("batch", priority=0)]
+    rng = random.Random(seed)
+    async with BudgetedEngine.from_engine_args(args, classes=classes) as eng:
+
+        async def one(i: int) -> int:
+            n_prompt = int(math.exp(rng.uniform(math.log(16), math.log(1500))))
+            prompt = [rng.randrange(100, 1000) for _ in range(n_prompt)]
+            sp = SamplingParams(
+                max_tokens=rng.randint(16, 400), ignore_eos=True, temperature=rng.random(),
+                top_p=rng.uniform(0.5, 1.0), output_kind=RequestOutputKind.DELTA,
+            )
+            n = 0
+            async for out in eng.generate(
+                {"prompt_token_ids": prompt}, sp, f"p{i}", service_class="batch"
+            ):
+                n += len(out.outputs[0].token_ids)
+            return n
+
+        tasks = []
+        for i in range(n_requests):
+            tasks.append(asyncio.create_task(one(i)))
+            await asyncio.sleep(rng.expovariate(rate))
+        tokens = sum(await asyncio.gather(*tasks))
+        source = (
+            f"vllm-cpu {_vllm_version()} on {platform.machine()} ({_cpu()}), the tiny random "
+            f"Llama of kvbudget's tests (kvbudget.engines.tiny_model), {BLOCKS} blocks x "
+            f"{BLOCK_SIZE} tokens, max_num_seqs {MAX_NUM_SEQS}; fitted by "
+            f"benchmarks/engine_profile.py from vLLM's iteration_details over "
+            f"{len(eng.steps)} steps of {n_requests} requests ({tokens} output tokens)"
+        )
+        profile = eng.engine_profile("vllm-cpu-tiny", source)
+        return profile, list(eng.steps.steps)
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_out = ROOT / "src/kvbudget/sim/profiles/vllm-cpu-tiny.json"
+    p.add_argument("--out", type=Path, default=default_out)
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--rate", type=float, default=6.0, help="mean arrivals per second")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    profile, steps = asyncio.run(_run(a.requests, a.rate, a.seed))
+    step = profile.step
+    errors = []
+    for batch, context, prefill, seconds in steps:
+        if seconds <= 0.0:
+            continue
+        predicted = (
+            step.decode_time(batch, context) if batch else step.fixed_s
+        ) + step.prefill_time(prefill)
+        errors.append(abs(predicted - seconds) / seconds)
+    errors.sort()
+    figures = {
+        "steps": len(steps),
+        "fixed_ms": step.fixed_s * 1e3,
+        "per_seq_us": step.per_seq_s * 1e6,
+        "per_context_token_ns": step.per_context_token_s * 1e9,
+        "prefill_per_token_us": step.prefill_per_token_s * 1e6,
+        "abort_latency_ms": profile.abort_latency_s * 1e3,
+        "relative_error_p50": errors[len(errors) // 2] if errors else None,
+        "relative_error_p90": errors[int(len(errors) * 0.9)] if errors else None,
+        "decode_steps": sum(1 for s in steps if s[2] == 0),
+        "batch_p50": statistics.median(s[0] for s in steps),
+        "batch_max": max(s[0] for s in steps),
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(a.out)
+    print(f"wrote {a.out}")
+    for k, v in figures.items():
+        print(f"{k:>24}: {v:.4g}" if isinstance(v, float) else f"{k:>24}: {v}")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

