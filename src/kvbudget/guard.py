@@ -20,7 +20,8 @@ import json
 from typing import Any, Final
 
 from kvbudget.auth import ApiKey, ApiKeys
-from kvbudget.errors import InvalidInput, Unauthorized
+from kvbudget.errors import Unauthorized
+from kvbudget.validate import check_int
 
 #: the ASGI scope key under which the request's :class:`~kvbudget.auth.ApiKey` is found
 API_KEY_SCOPE: Final = "kvbudget.api_key"
@@ -49,12 +50,6 @@ async def send_json(
     await send({"type": "http.response.body", "body": data})
 
 
-def _positive(field: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidInput(field, value, "an integer >= 1")
-    return value
-
-
 class RequestGuard:
     """Size limits and API keys in front of an ASGI app (see the module docs)."""
 
@@ -68,8 +63,8 @@ class RequestGuard:
     ) -> None:
         self.app = app
         self.api_keys = api_keys
-        self.max_body_bytes = _positive("max_body_bytes", max_body_bytes)
-        self.max_header_bytes = _positive("max_header_bytes", max_header_bytes)
+        self.max_body_bytes = check_int("max_body_bytes", max_body_bytes, minimum=1)
+        self.max_header_bytes = check_int("max_header_bytes", max_header_bytes, minimum=1)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope.get("type") != "http":

@@ -31,6 +31,7 @@ import attrs
 
 from kvbudget.core.model import RequestSpec
 from kvbudget.errors import InvalidInput
+from kvbudget.validate import integer
 
 NameKind = Literal["tenant", "task"]
 KINDS: Final[tuple[NameKind, ...]] = ("tenant", "task")
@@ -40,14 +41,6 @@ DEFAULT_MAX_TENANTS: Final = 64
 DEFAULT_MAX_TASKS: Final = 64
 DEFAULT_MAX_NAME_LENGTH: Final = 128
 DEFAULT_OTHER: Final = "other"
-
-
-def _positive(field: str) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidInput(field, value, "an integer >= 0")
-
-    return validate
 
 
 def _names(value: Iterable[str] | None) -> frozenset[str]:
@@ -80,10 +73,10 @@ class NameLimits:
     of ``SchedulerConfig.tenant_weights``).
     """
 
-    max_tenants: int = attrs.field(default=DEFAULT_MAX_TENANTS, validator=_positive("max_tenants"))
-    max_tasks: int = attrs.field(default=DEFAULT_MAX_TASKS, validator=_positive("max_tasks"))
+    max_tenants: int = attrs.field(default=DEFAULT_MAX_TENANTS, validator=integer(0))
+    max_tasks: int = attrs.field(default=DEFAULT_MAX_TASKS, validator=integer(0))
     max_name_length: int = attrs.field(
-        default=DEFAULT_MAX_NAME_LENGTH, validator=_positive("max_name_length")
+        default=DEFAULT_MAX_NAME_LENGTH, validator=integer(0)
     )
     other: str = attrs.field(default=DEFAULT_OTHER, validator=_check_other)
     known_tenants: frozenset[str] = attrs.field(

@@ -49,7 +49,7 @@ import attrs
 from kvbudget.core.cost import DEFAULT_STEP_TIME, StepTimeModel
 from kvbudget.core.model import Capacity
 from kvbudget.errors import InvalidInput
-from kvbudget.validate import check_int, nonnegative, positive
+from kvbudget.validate import integer, nonnegative, positive
 
 __all__ = [
     "DEFAULT_ABORT_LATENCY_S",
@@ -85,13 +85,6 @@ def _check_step(_inst: object, _attr: object, value: Any) -> None:
         raise InvalidInput("step", value, "a kvbudget.core.cost.StepTimeModel")
 
 
-def _int_min(field: str, minimum: int) -> Any:
-    def validate(_inst: object, _attr: object, value: Any) -> None:
-        check_int(field, value, minimum=minimum)
-
-    return validate
-
-
 @attrs.frozen(slots=True, kw_only=True)
 class EngineModel:
     """The simulated engine's KV capacity, step time and limits (module docstring)."""
@@ -104,9 +97,9 @@ class EngineModel:
     abort_latency_s: float = attrs.field(
         default=DEFAULT_ABORT_LATENCY_S, validator=nonnegative(name="abort_latency_s")
     )
-    max_batch: int = attrs.field(default=DEFAULT_MAX_BATCH, validator=_int_min("max_batch", 1))
+    max_batch: int = attrs.field(default=DEFAULT_MAX_BATCH, validator=integer(1))
     prefill_chunk_tokens: int = attrs.field(
-        default=DEFAULT_PREFILL_CHUNK_TOKENS, validator=_int_min("prefill_chunk_tokens", 1)
+        default=DEFAULT_PREFILL_CHUNK_TOKENS, validator=integer(1)
     )
     tick_s: float = attrs.field(default=DEFAULT_TICK_S, validator=positive())
 
