@@ -8,12 +8,14 @@ of 32 tokens) so that a flood is easy; the ``openai`` client and httpx talk to i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import pathlib
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -27,20 +29,23 @@ MAX_MODEL_LEN = 736
 START_TIMEOUT_S = 180.0
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+@contextlib.contextmanager
+def running_serve(
+    log: pathlib.Path, kv_blocks: int, max_model_len: int, extra: Sequence[str] = ()
+) -> Iterator[dict[str, Any]]:
+    """``kvbudget serve`` on the tiny model, on loopback with no proxies, until the block ends;
+    yields ``{"url", "proc"}``. ``extra``: more command-line arguments."""
     model = _model_dir()
-    log = tmp_path_factory.mktemp("serve-logs") / "kvbudget-serve.log"
     port = _free_port()
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.lower() in PROXY_VARIABLES}
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
     proc = ServerProcess(
         "kvbudget serve",
         ["-m", "kvbudget.cli", "serve", str(model), "--dtype", "float32", "--enforce-eager",
-         "--block-size", "32", "--num-gpu-blocks-override", str(KV_BLOCKS),
-         "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64", "--port", str(port),
+         "--block-size", "32", "--num-gpu-blocks-override", str(kv_blocks),
+         "--max-model-len", str(max_model_len), "--max-num-seqs", "64", "--port", str(port),
          "--served-model-name", "tiny", "--gpu-memory-utilization", "0.3",
-         "--disable-uvicorn-access-log"],
+         "--disable-uvicorn-access-log", *extra],
         log,
     )
     url = f"http://127.0.0.1:{port}"
@@ -50,6 +55,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     finally:
         proc.stop()
         os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    log = tmp_path_factory.mktemp("serve-logs") / "kvbudget-serve.log"
+    with running_serve(log, KV_BLOCKS, MAX_MODEL_LEN) as srv:
+        yield srv
 
 
 def _client(server: dict[str, Any]) -> Any:

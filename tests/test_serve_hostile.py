@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,11 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import _hostile
-from test_examples import PROXY_VARIABLES, ServerProcess, _free_port, _model_dir
+from test_serve import running_serve
 
 pytestmark = pytest.mark.vllm
 
-START_TIMEOUT_S = 180.0
 MAX_NAMES = 16
 KEYS = {
     "sk-acme": {"tenant": "acme", "weight": 2.0},
@@ -40,30 +38,13 @@ FUZZ = settings(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    model = _model_dir()
     logs = tmp_path_factory.mktemp("serve-hostile-logs")
     keys = logs / "keys.json"
     keys.write_text(json.dumps(KEYS))
-    port = _free_port()
-    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.lower() in PROXY_VARIABLES}
-    os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
-    proc = ServerProcess(
-        "kvbudget serve",
-        ["-m", "kvbudget.cli", "serve", str(model), "--dtype", "float32", "--enforce-eager",
-         "--block-size", "32", "--num-gpu-blocks-override", "24",
-         "--max-model-len", str(_hostile.MAX_MODEL_LEN), "--max-num-seqs", "64",
-         "--port", str(port), "--served-model-name", "tiny", "--gpu-memory-utilization", "0.3",
-         "--disable-uvicorn-access-log", "--api-keys", str(keys),
-         "--kvbudget-max-tasks", str(MAX_NAMES), "--kvbudget-max-body-bytes", "200000"],
-        logs / "kvbudget-serve.log",
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        proc.wait_http(url, START_TIMEOUT_S)
-        yield {"url": url, "proc": proc}
-    finally:
-        proc.stop()
-        os.environ.update(saved)
+    extra = ["--api-keys", str(keys), "--kvbudget-max-tasks", str(MAX_NAMES),
+             "--kvbudget-max-body-bytes", "200000"]
+    with running_serve(logs / "kvbudget-serve.log", 24, _hostile.MAX_MODEL_LEN, extra) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -309,24 +309,10 @@ def _shipped_profiles() -> list[str]:
 
 def _engine_from(args: argparse.Namespace) -> Any:
     """The engine model: the defaults, or a profile's figures, each overridden by its flag."""
-    from kvbudget.core.cost import DEFAULT_STEP_TIME
     from kvbudget.core.model import Capacity
-    from kvbudget.sim.engine_model import (
-        DEFAULT_ABORT_LATENCY_S,
-        DEFAULT_BLOCK_SIZE,
-        DEFAULT_CAPACITY_BLOCKS,
-        DEFAULT_MAX_BATCH,
-        DEFAULT_PREFILL_CHUNK_TOKENS,
-        EngineModel,
-    )
+    from kvbudget.sim.engine_model import EngineModel
 
-    base = EngineModel(
-        capacity=Capacity(DEFAULT_CAPACITY_BLOCKS, DEFAULT_BLOCK_SIZE),
-        step=DEFAULT_STEP_TIME,
-        abort_latency_s=DEFAULT_ABORT_LATENCY_S,
-        max_batch=DEFAULT_MAX_BATCH,
-        prefill_chunk_tokens=DEFAULT_PREFILL_CHUNK_TOKENS,
-    )
+    base = EngineModel()
     if getattr(args, "engine_profile", None):
         from kvbudget.sim.profile import EngineProfile
 

@@ -110,7 +110,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._released: OrderedDict[str, None] = OrderedDict()
         self.queues = Queues(self.classes, self.config.tenant_weights)
-        self._queues = self.queues.by_class
+        self._queues = self.queues.by_class  # (the old name, which tests read)
         self.forecast = Forecast(self, self.queues, self.config)
         self._waiting_ext: dict[str, Request] = {}
         # stopped requests awaiting confirmation: they keep tick() from walking every request
@@ -206,7 +206,7 @@ class Scheduler:
         if req.want_blocks > self.ledger.room(cls.protected):
             return [self._reject_new(req, self.config.max_retry_after_s, "too-large")]
         forecast = self.forecast
-        queued = self._queues[cls.name].count
+        queued = self.queues.by_class[cls.name].count
         wait = forecast.estimated_wait(req)
         if queued >= self.config.max_queued and (queued or wait > 0.0):
             # a full queue turns away callers that would wait, not one admitted at once
@@ -821,7 +821,7 @@ class Scheduler:
         :meth:`_may_admit` allows it (strict priority: nothing behind a head jumps it)."""
         cap = self.config.max_active
         for cls in self.queues.order:
-            queue = self._queues[cls.name]
+            queue = self.queues.by_class[cls.name]
             while queue.count:
                 req = queue.head()
                 assert req is not None
@@ -906,7 +906,7 @@ class Scheduler:
             if r.cls.preemptible
             and r.spec.resumable
             and r.generated < r.hard_max
-            and self._queues[r.cls.name].want_blocks <= self.capacity.blocks
+            and self.queues.by_class[r.cls.name].want_blocks <= self.capacity.blocks
         ]
         if not candidates:
             return False

@@ -38,7 +38,7 @@ from kvbudget.core.cost import StepTimeModel
 from kvbudget.core.model import Capacity
 from kvbudget.errors import InvalidInput
 from kvbudget.sim.engine_model import DEFAULT_TICK_S, EngineModel
-from kvbudget.validate import check_float, check_int, integer, nonnegative, text
+from kvbudget.validate import check_int, integer, nonnegative, text
 
 #: one observed engine step: (batch size, context tokens, prefill tokens, seconds)
 StepRecord = tuple[int, int, int, float]
@@ -233,7 +233,7 @@ def fit_profile(
         block_size=block_size,
         max_batch=max_batch,
         prefill_chunk_tokens=prefill_chunk_tokens,
-        abort_latency_s=check_float("abort_latency_s", abort_latency_s),
+        abort_latency_s=abort_latency_s,
         observed_steps=len(records),
     )
 

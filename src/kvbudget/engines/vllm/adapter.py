@@ -697,6 +697,12 @@ class _RequestEngine:
             return False
 
 
+def _is_client_error(exc: BaseException) -> bool:
+    """Is ``exc`` one of vLLM's errors caused by the request (``VLLMClientError``: a 4xx)? By
+    name, so that this module imports without vLLM."""
+    return any(c.__name__ == "VLLMClientError" for c in type(exc).__mro__)
+
+
 def _engine_error(exc: BaseException, vid: str) -> EngineError:
     name = type(exc).__name__
     if name == "EngineDeadError":
@@ -1065,7 +1071,7 @@ class BudgetedEngine:
         try:
             validate(prompt_ids)
         except Exception as exc:
-            if any(c.__name__ == "VLLMClientError" for c in type(exc).__mro__):
+            if _is_client_error(exc):
                 bad = min(prompt_ids) if min(prompt_ids) < 0 else max(prompt_ids)
                 raise InvalidInput(
                     "prompt_token_ids", bad, f"token ids in the model's vocabulary ({exc})"
@@ -1089,7 +1095,7 @@ class BudgetedEngine:
                 getattr(processor, "tokenizer", None),
             )
         except Exception as exc:
-            if any(c.__name__ == "VLLMClientError" for c in type(exc).__mro__):
+            if _is_client_error(exc):
                 field = getattr(exc, "parameter", None) or "sampling_params"
                 value = getattr(exc, "value", None)
                 raise InvalidInput(
