@@ -229,3 +229,67 @@ def test_teardown_drains_to_zero() -> None:
     m.drain()
     assert m.sched.ledger.reserved == 0
     assert all(sh.phase in ("ended", "rejected") for sh in m.shadows.values())
+
+
+# -- (h) shared prompt blocks (invariant 8) -------------------------------------------------------
+
+
+def _release_shared_with_first_holder(self: Ledger, req: Request) -> int:
+    """Planted: the first holder's release returns every prompt block it names, although a
+    twin still holds them (a shared block's charge ends while a holder lives)."""
+    from kvbudget.core.lifecycle import Trigger, transition
+
+    transition(req, Trigger.CONFIRM)
+    freed = req.blocks - len(req.prefix)
+    for h in req.prefix:
+        if h in self.shared:
+            del self.shared[h]
+            freed += 1
+    self.reserved -= freed
+    self.used = max(0, self.used - req.used_blocks)
+    req.blocks = 0
+    req.used_blocks = 0
+    req.shared_at_grant = 0
+    return freed
+
+
+def test_catches_shared_block_released_while_a_holder_lives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(Ledger, "release", _release_shared_with_first_holder)
+    e = assert_caught(BudgetStateMachine, (AssertionError,))
+    assert "inv." in str(e), e
+
+
+def test_catches_shared_block_charged_per_holder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: a newcomer's admission is charged its whole prompt, as if nothing were shared;
+    the ledger's own books then disagree with the harness's count of what it charges."""
+    monkeypatch.setattr(Ledger, "reusable", lambda self, req: 0)
+    e = assert_caught(BudgetStateMachine, (AssertionError,))
+    assert "inv." in str(e) or "blocks" in str(e), e
+
+
+def test_shared_prompt_blocks_in_the_harness() -> None:
+    """The harness really draws twins: two requests of one chain share their leading blocks,
+    the ledger charges them once, and the charge stays until the last holder is released."""
+    from kvbudget.core.model import RequestSpec
+    from kvbudget.testing.strategies import prefix_chain
+
+    m = _machine()  # 16 blocks of 4 tokens
+    a = m._arrive(RequestSpec(12, 4, 64, prefix_blocks=prefix_chain(1, 3)), 4)
+    b = m._arrive(RequestSpec(12, 4, 64, prefix_blocks=prefix_chain(1, 3)), 4)
+    m.verify()
+    led = m.sched.ledger
+    assert m.shadows[a].phase == m.shadows[b].phase == "running"
+    assert led.shared == {h: 2 for h in prefix_chain(1, 3)}
+    own = sum(m.shadows[r].blocks - 3 for r in (a, b))
+    assert led.reserved == own + 3
+    sh = m.shadows[a]
+    m._call(f"charge:{a}", lambda: list(m.sched.charge(a, 4, m.now)))
+    sh.generated = 4
+    m._call(f"finish:{a}", lambda: m.sched.finish(a, "stop", m.now))
+    m._stop(sh, "finish")
+    m._end(sh, "completed")
+    m.engine_frees(0, "confirm")
+    m.verify()
+    assert led.shared == {h: 1 for h in prefix_chain(1, 3)}  # b still holds them

@@ -14,6 +14,7 @@ from kvbudget.core.model import (
     Capacity,
     RequestSpec,
     ServiceClass,
+    block_hashes,
 )
 from kvbudget.core.policy import POLICY_NAMES, CalibratedPolicy, Policy, make_policy
 from kvbudget.core.resume import Checkpoint, Continuation
@@ -87,5 +88,6 @@ __all__ = [
     "UnknownClass",
     "UnknownPolicy",
     "UnknownRequest",
+    "block_hashes",
     "make_policy",
 ]

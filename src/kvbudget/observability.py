@@ -315,6 +315,7 @@ SNAPSHOT_SCALARS: Final[tuple[str, ...]] = (
     "releasing",
     "unconfirmed_releasing",
     "drift_blocks",
+    "shared_prefix_blocks",
     "engine_preemptions",
 )
 
@@ -445,6 +446,10 @@ GAUGES: Final[Mapping[str, tuple[str, str]]] = {
         "drift_blocks",
         "Last reconciliation: engine-reported minus ledger-expected blocks.",
     ),
+    "shared_prefix_blocks": (
+        "shared_prefix_blocks",
+        "Prompt blocks charged once for every live request that shares them.",
+    ),
 }
 
 #: counter name (without ``kvbudget_`` and ``_total``) -> (Counters field, help)
@@ -485,6 +490,14 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     "full_grants": (
         "full_grants",
         "Requests granted their hard max because a pause would change their output.",
+    ),
+    "prefix_shared_blocks": (
+        "prefix_shared_blocks",
+        "Prompt blocks a grant found charged to another holder already (charged once).",
+    ),
+    "prefix_mismatches": (
+        "prefix_mismatches",
+        "Grants whose engine cached fewer prompt blocks than the ledger counted as shared.",
     ),
 }
 

@@ -43,6 +43,7 @@ from kvbudget.core.model import (
     Capacity,
     RequestSpec,
     ServiceClass,
+    block_hashes,
     blocks_for,
 )
 from kvbudget.core.policy import (
@@ -116,6 +117,7 @@ __all__ = [
     "Tick",
     "TokensGenerated",
     "Trigger",
+    "block_hashes",
     "blocks_for",
     "make_policy",
 ]

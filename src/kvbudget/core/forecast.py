@@ -124,7 +124,8 @@ class Forecast:
         if cls.max_queue_delay_s is not None:
             expiry = min(expiry, req.arrival + cls.max_queue_delay_s)
         if cls.ttft_slo_s is not None and req.generated == 0:
-            last = req.arrival + cls.ttft_slo_s - self._s.cost.predict_prefill(req.prompt)
+            prefill = self._s.ledger.prefill_tokens(req)
+            last = req.arrival + cls.ttft_slo_s - self._s.cost.predict_prefill(prefill)
             expiry = min(expiry, last)
         return expiry
 
@@ -170,8 +171,9 @@ class Forecast:
     def first_token_delay(self, req: Request, extra_tokens: int = 0) -> float:
         """Predicted seconds from admitting ``req`` now to its first token, behind the prefill
         queued in the engine (and ``extra_tokens`` more of it ahead)."""
-        return self._s.cost.predict_first_token(
-            self._s.prefill_backlog + req.prompt + req.generated + extra_tokens
+        s = self._s
+        return s.cost.predict_first_token(
+            s.prefill_backlog + s.ledger.prefill_tokens(req) + extra_tokens
         )
 
     def first_token_late(self, req: Request, now: float) -> bool:
@@ -181,7 +183,7 @@ class Forecast:
         ttft = self.first_token_objective(req)
         return (
             ttft is not None
-            and self._s.cost.predict_first_token(req.prompt) <= ttft
+            and self._s.cost.predict_first_token(self._s.ledger.prefill_tokens(req)) <= ttft
             and now + self.first_token_delay(req) > req.arrival + ttft
         )
 

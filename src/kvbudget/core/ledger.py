@@ -23,6 +23,16 @@ where ``slack`` is a small per-grant reserve for engines that overshoot by a ste
 be stopped. A request's blocks return only through :meth:`Ledger.release`, which the scheduler
 calls on the engine's confirmation and on nothing else.
 
+Shared prompt blocks (DESIGN §4, invariant 8). A request may name the chained hashes of its
+prompt's full blocks (``Request.prefix``). A block with such a hash is charged once however many
+holders name it: ``shared`` counts the holders per hash, and ``reserved`` is each holder's
+*own* blocks (its grant less its prefix blocks) plus one block per hash in ``shared``. A hash
+leaves ``shared`` only when its last holder is released, that is, after the engine confirmed
+the last holder's stop. An admission costs its grant less the prefix blocks already charged
+(:meth:`Ledger.admission_blocks`); stopping a holder frees its own blocks and the prefix blocks
+no one else holds (:meth:`Ledger.footprint`). A grant's ``blocks`` stays the request's whole
+grant, so extensions are unchanged by sharing.
+
 The ledger books blocks as requests move through :mod:`kvbudget.core.lifecycle` (which owns
 the states, the transition table and the only writes of a request's state); the lifecycle's
 names stay importable from here.
@@ -76,6 +86,7 @@ class Ledger:
         "headroom_target",
         "protected_blocks",
         "reserved",
+        "shared",
         "slack_tokens",
         "used",
     )
@@ -86,6 +97,8 @@ class Ledger:
         self.slack_tokens = check_int("slack_tokens", slack_tokens, minimum=0)
         self.reserved = 0
         self.used = 0
+        #: prefix block hash -> how many holders are charged for it (each hash is one block)
+        self.shared: dict[int, int] = {}
         self.headroom_target = 0
         self.protected_blocks = 0
         # aggregates over requests holding a grant, kept O(1) for policies that need them
@@ -123,6 +136,32 @@ class Ledger:
     def covered_boundary(self, req: Request, blocks: int) -> int:
         """The output tokens ``blocks`` cover for ``req``, capped at its hard max."""
         return min(req.hard_max, blocks * self.block_size - req.prompt - self.slack_tokens)
+
+    def reusable(self, req: Request) -> int:
+        """How many of ``req``'s prefix blocks another holder is charged for already."""
+        shared = self.shared
+        return sum(1 for h in req.prefix if h in shared) if shared else 0
+
+    def admission_blocks(self, req: Request, boundary: int) -> int:
+        """What granting ``req`` a grant to ``boundary`` takes from the free blocks: the grant
+        less the prefix blocks already charged to another holder."""
+        return self.grant_blocks(req, boundary) - self.reusable(req)
+
+    def prefill_tokens(self, req: Request) -> int:
+        """The tokens admitting ``req`` now would have the engine prefill: its context less the
+        prompt blocks a holder keeps in the engine's cache (at least one token: the engine
+        always computes the last one)."""
+        reused = self.reusable(req) if req.blocks == 0 else req.shared_at_grant
+        return max(1, req.prompt + req.generated - reused * self.block_size)
+
+    def footprint(self, req: Request) -> int:
+        """The blocks that releasing ``req`` would return: its own blocks and the prefix
+        blocks no other holder is charged for."""
+        if not req.blocks:
+            return 0
+        shared = self.shared
+        alone = sum(1 for h in req.prefix if shared.get(h) == 1)
+        return req.blocks - len(req.prefix) + alone
 
     def fits_admission(self, blocks: int) -> bool:
         return self.free - blocks >= self.headroom_target
@@ -163,14 +202,20 @@ class Ledger:
                 f"output tokens, got {boundary}",
             )
         blocks = self.grant_blocks(req, boundary)
-        if blocks > self.free:
-            raise PolicyViolation(policy, f"grant of {blocks} blocks exceeds {self.free} free")
+        reused = self.reusable(req)
+        cost = blocks - reused
+        if cost > self.free:
+            raise PolicyViolation(policy, f"grant of {cost} blocks exceeds {self.free} free")
         transition(req, Trigger.ADMIT)
         req.blocks = blocks
         req.boundary = self.covered_boundary(req, blocks)
         req.used_blocks = blocks_for(req.prompt + req.generated, self.block_size)
-        self.reserved += blocks
-        self.used += req.used_blocks
+        req.shared_at_grant = reused
+        shared = self.shared
+        for h in req.prefix:
+            shared[h] = shared.get(h, 0) + 1
+        self.reserved += cost
+        self.used += req.used_blocks - reused
         self.active_hard_max += req.hard_max
         self.active_generated += req.generated
         return req.boundary
@@ -204,12 +249,57 @@ class Ledger:
     def release(self, req: Request) -> int:
         """The engine confirmed: return the request's blocks. Returns how many."""
         transition(req, Trigger.CONFIRM)
-        freed = req.blocks
+        held = len(req.prefix)
+        freed = req.blocks - held
+        used = req.used_blocks - held
+        shared = self.shared
+        for h in req.prefix:
+            n = shared[h] - 1
+            if n:
+                shared[h] = n
+            else:  # its last holder: the block returns
+                del shared[h]
+                freed += 1
+                used += 1
         self.reserved -= freed
-        self.used -= req.used_blocks
+        self.used -= used
         req.blocks = 0
         req.used_blocks = 0
+        req.shared_at_grant = 0
+        req.prefix = req.spec.prefix_blocks  # a resumed grant may share again what was unshared
         return freed
+
+    def unshare(self, req: Request, cached_blocks: int) -> int:
+        """The engine reports that it found only ``cached_blocks`` of ``req``'s prompt blocks in
+        its cache, fewer than the ledger counted as shared at the grant (``shared_at_grant``:
+        with chained hashes, the leading ones). ``req`` holds copies of its own of the others:
+        charge them to ``req``, as far as free blocks allow (what does not fit stays booked as
+        shared; the engine holds it anyway). Returns the blocks charged."""
+        cached = check_int("cached_blocks", cached_blocks, minimum=0)
+        if req.state not in HOLDING_STATES or cached >= req.shared_at_grant:
+            return 0
+        shared = self.shared
+        prefix = req.prefix
+        free = self.free
+        copies = 0
+        end = cached
+        for h in prefix[cached : req.shared_at_grant]:
+            # a hash others still hold is a second copy, a block more; one only ``req`` holds
+            # now (its other holders left) just becomes ``req``'s own, at no cost
+            extra = 1 if shared[h] > 1 else 0
+            if copies + extra > free:
+                break
+            copies += extra
+            end += 1
+            if shared[h] > 1:
+                shared[h] -= 1
+            else:
+                del shared[h]
+        req.prefix = prefix[:cached] + prefix[end:]
+        req.shared_at_grant = cached + (req.shared_at_grant - end)
+        self.reserved += copies
+        self.used += copies
+        return copies
 
     def charge(self, req: Request, tokens: int) -> None:
         """Book ``tokens`` more generated tokens (bounds already checked by the scheduler)."""
@@ -227,14 +317,19 @@ class Ledger:
     def check(self, requests: Iterator[Request] | list[Request]) -> None:
         """Assert the ledger's own invariants over ``requests`` (all requests it knows)."""
         reserved = 0
+        holders: dict[int, int] = {}
         for r in requests:
             if r.state in HOLDING_STATES:
-                reserved += r.blocks
-                assert r.blocks >= 0
+                reserved += r.blocks - len(r.prefix)
+                for h in r.prefix:
+                    holders[h] = holders.get(h, 0) + 1
+                assert r.blocks >= len(r.prefix), r
                 assert r.boundary <= r.hard_max, r
                 assert r.generated <= r.hard_max, r
                 assert r.blocks <= self.grant_blocks(r, r.hard_max), r
             else:
                 assert r.blocks == 0, r
+        assert holders == self.shared, (holders, self.shared)
+        reserved += len(holders)
         assert reserved == self.reserved, (reserved, self.reserved)
         assert 0 <= self.reserved <= self.capacity.blocks

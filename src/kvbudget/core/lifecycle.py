@@ -174,12 +174,14 @@ class Request:
         "preemptions",
         "prefill_ahead",
         "prefill_pending",
+        "prefix",
         "prompt",
         "release_started_at",
         "request_id",
         "requeue_front",
         "resume",
         "seq",
+        "shared_at_grant",
         "spec",
         "state",
         "stats",
@@ -197,6 +199,10 @@ class Request:
         self.key: CalibrationKey = spec.calibration_key
         self.prompt = spec.prompt_tokens
         self.hard_max = spec.hard_max
+        #: the prompt's full-block hashes (shared blocks are charged once, by the ledger) and how
+        #: many of them the current grant found already charged to another holder
+        self.prefix: tuple[int, ...] = spec.prefix_blocks
+        self.shared_at_grant = 0
         self.generated = 0
         self.boundary = 0
         self.blocks = 0

@@ -7,7 +7,7 @@ accepted range before it can reach the ledger.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 import attrs
@@ -26,6 +26,51 @@ StopReason = Literal["stop", "length"]
 def blocks_for(tokens: int, block_size: int) -> int:
     """Whole blocks needed to hold ``tokens`` tokens (the engine rounds up too)."""
     return -(-tokens // block_size)
+
+
+def _to_hashes(value: Iterable[int]) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InvalidInput("prefix_blocks", value, "a tuple of int block hashes")
+    return tuple(value)
+
+
+def _check_prefix_blocks(value: tuple[object, ...]) -> None:
+    for h in value:
+        if isinstance(h, bool) or not isinstance(h, int):
+            raise InvalidInput("prefix_blocks", value, "a tuple of int block hashes")
+    if len(set(value)) != len(value):
+        # a chained hash never repeats within one prompt; a repeat means the hashes were not
+        # chained, and two blocks would be charged as one
+        raise InvalidInput("prefix_blocks", value, "distinct (chained) block hashes")
+
+
+#: the chain's seed: the hash "before" a prompt's first block
+_CHAIN_SEED = 0x6B7662  # "kvb"
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, *, salt: object = None, cacheable: int | None = None
+) -> tuple[int, ...]:
+    """The chained hashes of the full blocks of ``token_ids`` for :attr:`RequestSpec.prefix_blocks`.
+
+    Block ``i``'s hash covers the hash of block ``i - 1`` and the block's own tokens, so two
+    prompts share the hash at position ``i`` exactly when they agree on every token up to the
+    end of block ``i`` (and on ``salt``: whatever else the engine keys its cache on, such as a
+    LoRA adapter or a cache salt). Only blocks the engine can reuse count: the first
+    ``cacheable`` tokens (default: all but the last one, which an engine always recomputes to
+    produce the first output token). The hashes are Python's tuple hash, stable within a
+    process; pass the same ``salt`` for requests that may share.
+    """
+    size = check_int("block_size", block_size, minimum=1)
+    tokens = tuple(token_ids)
+    usable = len(tokens) - 1 if cacheable is None else check_int("cacheable", cacheable)
+    usable = max(0, min(usable, len(tokens)))
+    out: list[int] = []
+    parent = hash((_CHAIN_SEED, salt))
+    for start in range(0, usable - size + 1, size):
+        parent = hash((parent, tokens[start : start + size]))
+        out.append(parent)
+    return tuple(out)
 
 
 @attrs.frozen(slots=True)
@@ -61,21 +106,13 @@ class ServiceClass:
     priority: int = attrs.field(default=0, validator=integer(0))
     initial_quantile: float = attrs.field(default=0.9, validator=quantile())
     extension_quantile: float = attrs.field(default=0.9, validator=quantile())
-    max_extension_tokens: int = attrs.field(
-        default=512, validator=integer(1)
-    )
+    max_extension_tokens: int = attrs.field(default=512, validator=integer(1))
     protected: bool = False
     preemptible: bool = True
-    latency_floor_s: float | None = attrs.field(
-        default=None, validator=optional(seconds())
-    )
+    latency_floor_s: float | None = attrs.field(default=None, validator=optional(seconds()))
     ttft_slo_s: float | None = attrs.field(default=None, validator=optional(seconds()))
-    max_queue_delay_s: float | None = attrs.field(
-        default=None, validator=optional(seconds())
-    )
-    default_deadline_s: float | None = attrs.field(
-        default=None, validator=optional(seconds())
-    )
+    max_queue_delay_s: float | None = attrs.field(default=None, validator=optional(seconds()))
+    default_deadline_s: float | None = attrs.field(default=None, validator=optional(seconds()))
 
 
 INTERACTIVE = ServiceClass(
@@ -162,6 +199,11 @@ class RequestSpec:
     (its sampling state would not carry across a re-prefill: a per-request seed, penalties over
     the output, structured output, logits processors, a stop string across the seam), so it is
     admitted only with a grant to its hard max, never paused and never preempted.
+
+    ``prefix_blocks``: the chained hashes of the prompt's full blocks, in order, as the engine's
+    prefix cache keys them (:func:`block_hashes`; equal hash at position ``i`` means equal
+    tokens, and equal cache keys, up to the end of block ``i``). A block that live requests share
+    is charged once. Empty: nothing is shared, every prompt block is charged to this request.
     """
 
     prompt_tokens: int = attrs.field(validator=integer(1))
@@ -179,6 +221,9 @@ class RequestSpec:
     )
     deadline: float | None = attrs.field(default=None, validator=optional(seconds()))
     resumable: bool = attrs.field(default=True, validator=boolean())
+    prefix_blocks: tuple[int, ...] = attrs.field(
+        default=(), converter=_to_hashes, validator=lambda _i, _a, v: _check_prefix_blocks(v)
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.prompt_tokens >= self.model_max_len:

@@ -197,6 +197,14 @@ class Scheduler:
         if request_id in self.requests or request_id in self._released:
             raise DuplicateRequest(request_id)
         cls = lookup_class(self.classes, spec.service_class)
+        if len(spec.prefix_blocks) * self.capacity.block_size > spec.prompt_tokens:
+            raise InvalidInput(
+                "prefix_blocks",
+                len(spec.prefix_blocks),
+                f"at most one hash per full block of the {spec.prompt_tokens}-token prompt "
+                f"({spec.prompt_tokens // self.capacity.block_size} at block size "
+                f"{self.capacity.block_size})",
+            )
         now = self._time(now)
         stats = self._stats(cls.name, spec.tenant)
         req = Request(request_id, spec, cls, now, stats)
@@ -613,37 +621,61 @@ class Scheduler:
     def reconcile(self, engine_used_blocks: int, now: float) -> list[ev.Action]:
         """Compare the engine's KV usage with the ledger; free unconfirmed stops it no longer holds.
 
-        Requests that still run account for their used blocks; whatever the engine holds beyond
-        that may belong to stopped requests. An unconfirmed stop that uses more blocks than that
-        cannot still be held by the engine, and is released.
+        Requests that still run account for their used blocks (a prompt block they share
+        counted once); whatever the engine holds beyond that may belong to stopped requests. An
+        unconfirmed stop that needs more blocks of its own than that cannot still be held by the
+        engine, and is released.
         """
         check_int("engine_used_blocks", engine_used_blocks, minimum=0)
         now = self._time(now)
         running_used = 0
+        running_prefix: set[int] = set()
         stopped: list[Request] = []
         for req in self.requests.values():
             if req.state in _LIVE:
-                running_used += req.used_blocks
+                running_used += req.used_blocks - len(req.prefix)
+                running_prefix.update(req.prefix)
             elif req.state in STOPPING_STATES:
                 stopped.append(req)
-        drift = engine_used_blocks - running_used - sum(r.used_blocks for r in stopped)
+        running_used += len(running_prefix)
+        drift = engine_used_blocks - self.ledger.used
         self.drift = drift
         if drift != 0:
             self._stats("*", "*").drift_events += 1
         phantom = max(0, engine_used_blocks - running_used)
         # At most ``phantom`` blocks can belong to stopped requests. The engine frees a request's
         # blocks all at once and, while it holds them, holds at least the ledger's ``used_blocks``
-        # for it, so an unconfirmed stop with more used blocks than ``phantom`` is provably free.
-        # (Releasing "the oldest" stops instead could free one the engine still holds.)
+        # for it, less the prompt blocks a running request holds too, so an unconfirmed stop
+        # needing more than ``phantom`` is provably free. (Releasing "the oldest" stops instead
+        # could free one the engine still holds; counting shared blocks per holder would free a
+        # twin whose blocks the engine holds.)
         candidates = sorted(
             (r for r in stopped if r.unconfirmed), key=lambda r: r.release_started_at or 0.0
         )
         actions: list[ev.Action] = []
         for req in candidates:
-            if req.state in HOLDING_STATES and req.used_blocks > phantom:
+            if req.state not in HOLDING_STATES:
+                continue
+            own = req.used_blocks - sum(1 for h in req.prefix if h in running_prefix)
+            if own > phantom:
                 req.stats.reconciled += 1
                 self._release(req, now, actions)
         return actions
+
+    def note_cached(self, request_id: str, cached_tokens: int) -> None:
+        """The engine reports how many of the request's prompt tokens it found in its prefix
+        cache (vLLM: the first output's ``num_cached_tokens``). Fewer whole blocks than the
+        ledger counted as shared at the grant: the request holds copies of its own, which are
+        charged to it now (:meth:`Ledger.unshare`) and counted as a mismatch. More is the
+        engine's gain (a cached block no live request holds) and changes nothing."""
+        cached = check_int("cached_tokens", cached_tokens, minimum=0)
+        req = self.requests.get(request_id)
+        if req is None or req.state not in HOLDING_STATES:
+            return
+        blocks = cached // self.capacity.block_size
+        if blocks < req.shared_at_grant:
+            req.stats.prefix_mismatches += 1
+            self.ledger.unshare(req, blocks)
 
     # == the pump ==================================================================================
 
@@ -829,7 +861,8 @@ class Scheduler:
                     return
                 allowance = self._allowance(req)
                 boundary = req.generated + allowance
-                blocks = self.ledger.grant_blocks(req, boundary)
+                # (prompt blocks a live twin holds are charged once: only the rest is taken)
+                blocks = self.ledger.admission_blocks(req, boundary)
                 if not self._may_admit(req, blocks, allowance, now, actions):
                     return
                 if self.forecast.first_token_late(req, now):
@@ -859,7 +892,7 @@ class Scheduler:
         gates = (self.policy.admit(req, blocks) or (self.active == 0 and self.releasing == 0)) and (
             self.active == 0
             or self._within_floor(
-                1, req.prompt + req.generated + allowance, req.prompt + req.generated
+                1, req.prompt + req.generated + allowance, self.ledger.prefill_tokens(req)
             )
         )
         if fits and gates:
@@ -938,7 +971,7 @@ class Scheduler:
             req.stats.full_grants += 1  # (never preempted: granted once)
         self._enter_active(req)
         req.admitted_at = now
-        req.prefill_pending = req.prompt + req.generated
+        req.prefill_pending = self.ledger.prefill_tokens(req)  # (shared blocks are cached)
         self.prefill_backlog += req.prefill_pending
         req.prefill_ahead = self.prefill_backlog
         req.ask_at = max(req.boundary - self.policy.lookahead_tokens(req), req.generated + 1)
@@ -947,6 +980,7 @@ class Scheduler:
         req.last_token_at = None
         self.policy.on_granted(req)
         req.stats.admitted += 1
+        req.stats.prefix_shared_blocks += req.shared_at_grant
         actions.append(ev.Admit(req.request_id, req.boundary, req.blocks, resume))
 
     def _dequeue(self, req: Request) -> None:
@@ -1028,6 +1062,7 @@ class Scheduler:
             by_class_tenant={k: sum_counters([v]) for k, v in self.counters.items()},
             underestimation=under,
             drift_blocks=self.drift,
+            shared_prefix_blocks=len(led.shared),
             rejections_by_reason=dict(self.rejections_by_reason),
         )
 
@@ -1043,9 +1078,7 @@ class Scheduler:
         assert self.active == sum(1 for r in self.requests.values() if r.state in _LIVE)
         assert set(self.live) == {r.request_id for r in self.requests.values() if r.state in _LIVE}
         assert set(self._stopping) == {
-            r.request_id
-            for r in self.requests.values()
-            if r.state in STOPPING_STATES
+            r.request_id for r in self.requests.values() if r.state in STOPPING_STATES
         }
 
 

@@ -39,6 +39,8 @@ COUNTER_FIELDS: tuple[str, ...] = (
     "reprefill_tokens",
     "dropped_tokens",
     "full_grants",
+    "prefix_shared_blocks",
+    "prefix_mismatches",
 )
 
 
@@ -73,6 +75,8 @@ class Counters:
     reprefill_tokens: int
     dropped_tokens: int
     full_grants: int
+    prefix_shared_blocks: int
+    prefix_mismatches: int
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in COUNTER_FIELDS}
@@ -109,6 +113,11 @@ class CounterValues:
     dropped_tokens: int = 0
     #: requests admitted with a grant to their hard max because they cannot be resumed exactly
     full_grants: int = 0
+    #: prompt blocks a grant found charged to another holder already (charged once, shared)
+    prefix_shared_blocks: int = 0
+    #: grants whose engine found fewer prompt blocks in its cache than the ledger counted as
+    #: shared (each such request is then charged its own copies)
+    prefix_mismatches: int = 0
 
 
 @attrs.frozen(slots=True)
@@ -143,6 +152,8 @@ class Snapshot:
     by_class_tenant: dict[tuple[str, str], CounterValues]
     underestimation: UnderestimationReport | None
     drift_blocks: int
+    #: distinct prompt blocks charged once for all the requests that share them
+    shared_prefix_blocks: int = 0
     #: rejections (overload, queue timeouts, too-large, deadline) by reason
     rejections_by_reason: Mapping[str, int] = attrs.field(factory=dict)
     #: the engine's own preemptions, where the adapter can count them (vLLM: Σ

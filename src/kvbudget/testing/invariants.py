@@ -35,12 +35,14 @@ if TYPE_CHECKING:
     from kvbudget.testing.shadow import Shadow
 
 __all__ = [
+    "charged_blocks",
     "core_matches_shadow",
     "ended_exactly_once",
     "grant_fits",
     "idle_requests_cost_nothing",
     "protected_headroom_kept",
     "reserved_within_capacity",
+    "shared_blocks_charged_once",
     "stopped_blocks_wait_for_confirmation",
     "tokens_within_grant",
     "within_hard_max",
@@ -111,17 +113,29 @@ def reserved_within_capacity(s: Scheduler, snap: Snapshot, shadows: Collection[S
     capacity.
 
     The blocks the harness saw granted (Admit/Extend minus Released) add up to
-    ``ledger.reserved``, which is ``<= capacity``, and ``reserved + free == capacity`` (in the
+    ``ledger.reserved`` (a prompt block that several holders name, once: 8), which is
+    ``<= capacity``, and ``reserved + free == capacity`` (in the
     ledger and in its snapshot)."""
     led = s.ledger
     cap = s.capacity
-    held = sum(sh.blocks for sh in shadows)
+    held = charged_blocks([sh for sh in shadows if sh.blocks])
     assert held == led.reserved, (
         f"harness sees {held} blocks granted, ledger {led.reserved} (inv. 1)"
     )
     assert 0 <= led.reserved <= cap.blocks, (led.reserved, cap.blocks)
     assert led.reserved + led.free == cap.blocks
     assert snap.reserved_blocks == held and snap.free_blocks == cap.blocks - held
+
+
+def charged_blocks(holders: Collection[Shadow]) -> int:
+    """What ``holders`` (requests holding a grant) are charged together: each one's own blocks,
+    and each prompt block any of them names once."""
+    prefix: set[int] = set()
+    own = 0
+    for sh in holders:
+        own += sh.own_blocks
+        prefix.update(sh.prefix)
+    return own + len(prefix)
 
 
 def grant_fits(a: ev.Admit | ev.Extend, free: int) -> None:
@@ -203,6 +217,7 @@ def stopped_blocks_wait_for_confirmation(
                 "a stopped request lost its blocks unconfirmed (inv. 4)",
             )
     stale_engine = sum(stale.values())
+    stale_ledger -= sum(len(sh.prefix) for sh in _known(shadows) if sh.phase == "stopped")
     assert stale_engine <= stale_ledger, (
         f"the engine still holds {stale_engine} blocks of stopped requests, the ledger "
         f"charges only {stale_ledger} (inv. 4)"
@@ -266,5 +281,39 @@ def idle_requests_cost_nothing(s: Scheduler, shadows: Collection[Shadow]) -> Non
 
 
 # -- 8 ----------------------------------------------------------------------------------------
-# 8. (shared prefix blocks charged once, until the last holder's stop is confirmed) is not
-# implemented by the core yet: no check here until it is.
+
+
+def shared_blocks_charged_once(
+    s: Scheduler,
+    shadows: Collection[Shadow],
+    stale_prefix: Mapping[tuple[str, int], tuple[int, ...]],
+) -> None:
+    """8. A prompt block shared by several live requests (same chained block hash) is charged
+    once; its charge ends only after the last holder's stop is confirmed.
+
+    The ledger charges each prompt block exactly as many holders as the harness counts holding
+    a grant that names it (running, or stopped and not yet released): none is charged once its
+    holders are all released, none drops while one of them lives or awaits its confirmation,
+    and every prompt block the engine still holds for a stopped instance is charged. (That each
+    is charged once, however many share it, is the block count of 1.)"""
+    want: dict[int, int] = {}
+    for sh in _known(shadows):
+        if sh.blocks:
+            for h in sh.prefix:
+                want[h] = want.get(h, 0) + 1
+    shared = s.ledger.shared
+    for h, n in want.items():
+        assert shared.get(h) == n, (
+            f"prompt block {h} is named by {n} holders, the ledger charges it for "
+            f"{shared.get(h)} (inv. 8)"
+        )
+    assert set(shared) == set(want), (
+        f"the ledger still charges prompt blocks no holder names: "
+        f"{sorted(set(shared) - set(want))} (inv. 8)"
+    )
+    for key, prefix in stale_prefix.items():
+        for h in prefix:
+            assert h in shared, (
+                f"the engine still holds prompt block {h} of stopped {key}, the ledger no "
+                "longer charges it (inv. 8)"
+            )

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
+import attrs
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -46,6 +47,7 @@ from kvbudget.testing.strategies import (
     PolicyFactory,
     capacities,
     policy_factory,
+    prefix_chain,
     request_specs,
     true_lengths,
 )
@@ -151,7 +153,9 @@ class BudgetStateMachine(RuleBasedStateMachine):
         self.last_tick = 0.0
         self.slack = 0
         self.seq = 0
-        self.stale: dict[tuple[str, int], int] = {}  # engine KV of stopped instances
+        self.stale: dict[tuple[str, int], int] = {}  # engine KV of stopped instances (own)
+        self.stale_prefix: dict[tuple[str, int], tuple[int, ...]] = {}  # and its shared blocks
+        self.holders: dict[int, int] = {}  # prefix hash -> shadows holding a grant that name it
         self.delayed: list[tuple[str, int]] = []
         self.lost: set[tuple[str, int]] = set()
         self.n_admits = 0
@@ -223,13 +227,23 @@ class BudgetStateMachine(RuleBasedStateMachine):
         raise AssertionError(f"expected {kinds}, nothing was raised")
 
     def _engine_used(self) -> int:
+        """The engine's KV: each running or not yet freed instance's own blocks, and every
+        prompt block any of them names, once (the engine's prefix cache shares it)."""
         bs = self.sched.capacity.block_size
-        running = sum(
-            blocks_for(sh.spec.prompt_tokens + sh.generated, bs)
-            for sh in self.shadows.values()
-            if sh.phase == "running"
-        )
-        return running + sum(self.stale.values())
+        running = 0
+        prefix: set[int] = set()
+        for sh in self.shadows.values():
+            if sh.phase == "running":
+                running += blocks_for(sh.spec.prompt_tokens + sh.generated, bs) - len(sh.prefix)
+                prefix.update(sh.prefix)
+        for p in self.stale_prefix.values():
+            prefix.update(p)
+        return running + sum(self.stale.values()) + len(prefix)
+
+    def _free(self) -> int:
+        """Free blocks by the harness's own count (shared prompt blocks once)."""
+        held = [sh for sh in self.shadows.values() if sh.blocks]
+        return self.sched.capacity.blocks - inv.charged_blocks(held)
 
     def _stop(self, sh: Shadow, kind: str) -> None:
         """The engine stopped running ``sh`` (its KV stays until the engine frees it)."""
@@ -239,9 +253,11 @@ class BudgetStateMachine(RuleBasedStateMachine):
         sh.stop_clock = self.now
         sh.unconfirmed = False
         sh.instance += 1
-        self.stale[(sh.rid, sh.instance)] = blocks_for(
+        key = (sh.rid, sh.instance)
+        self.stale[key] = blocks_for(
             sh.spec.prompt_tokens + sh.generated, self.sched.capacity.block_size
-        )
+        ) - len(sh.prefix)
+        self.stale_prefix[key] = sh.prefix
 
     def _end(self, sh: Shadow, how: str) -> None:
         sh.ends.append(how)
@@ -266,7 +282,12 @@ class BudgetStateMachine(RuleBasedStateMachine):
                     assert a.resume is None, a
                 assert sh.generated < a.boundary <= hard, (a, sh.generated, hard)
                 assert a.blocks == blocks_for(prompt + a.boundary + self.slack, cap.block_size), a
-                free -= a.blocks
+                # prompt blocks another holder is charged for are not taken again (inv. 8)
+                reused = sum(1 for h in sh.prefix if h in self.holders)
+                free -= a.blocks - reused
+                for h in sh.prefix:
+                    self.holders[h] = self.holders.get(h, 0) + 1
+                sh.shared_at_grant = reused
                 inv.grant_fits(a, free)
                 inv.protected_headroom_kept(s, sh, a, free)
                 sh.phase = "running"
@@ -343,9 +364,20 @@ class BudgetStateMachine(RuleBasedStateMachine):
                     assert (sh.rid, sh.instance) not in self.stale, (
                         f"{a!r}: reconciled while the engine still holds its KV (inv. 4)"
                     )
-                assert a.blocks == sh.blocks, (a, sh.blocks)
+                # its own blocks, and the prompt blocks no other holder names (inv. 8)
+                last = sum(1 for h in sh.prefix if self.holders[h] == 1)
+                assert a.blocks == sh.own_blocks + last, (
+                    f"{a!r} returns {a.blocks} blocks; {sh.rid} holds {sh.own_blocks} of its "
+                    f"own and is the last holder of {last} prompt blocks (inv. 8)"
+                )
+                for h in sh.prefix:
+                    self.holders[h] -= 1
+                    if not self.holders[h]:
+                        del self.holders[h]
                 free += a.blocks
                 sh.blocks = 0
+                sh.prefix = sh.spec.prefix_blocks
+                sh.shared_at_grant = 0
                 if sh.stop_kind == "preempt" and sh.end is None:
                     assert a.outcome == "preempted" and a.resumable, a
                     sh.phase = "checkpointed"
@@ -369,6 +401,12 @@ class BudgetStateMachine(RuleBasedStateMachine):
         self._rule()
         names = [c.name for c in self.classes]
         spec = data.draw(request_specs(names), label="spec")
+        # a few "system prompts": requests of one chain share its leading blocks (inv. 8)
+        room = spec.prompt_tokens // self.sched.capacity.block_size
+        if room and data.draw(st.booleans(), label="shares"):
+            chain = data.draw(st.integers(1, 3), label="chain")
+            k = data.draw(st.integers(0, room), label="prefix_blocks")
+            spec = attrs.evolve(spec, prefix_blocks=prefix_chain(chain, k))
         true_len = data.draw(true_lengths(spec.hard_max), label="true_len")
         self._arrive(spec, true_len)
 
@@ -607,6 +645,45 @@ class BudgetStateMachine(RuleBasedStateMachine):
 
         self._call(f"fail:{rid}", go)
 
+    # -- rules: the engine's prefix cache ------------------------------------------------------
+
+    @precondition(lambda self: self._has(("running", "stopped"), lambda sh: sh.shared_at_grant > 0))
+    @rule(i=st.integers(0, 1000), data=st.data())
+    def engine_cached_less(self, i: int, data: st.DataObject) -> None:
+        """The engine found fewer of a request's prompt blocks in its cache than the ledger
+        counted as shared (a twin's blocks were not yet allocated): the request holds copies,
+        which must be charged to it as far as free blocks allow (inv. 8)."""
+        self._rule()
+        sh = self._pick(i, ("running", "stopped"), lambda sh: sh.shared_at_grant > 0)
+        assert sh is not None
+        s = self.sched
+        bs = s.capacity.block_size
+        cached = data.draw(st.integers(0, sh.shared_at_grant - 1), label="cached_blocks")
+        free = self._free()
+        copies = 0
+        end = cached
+        for h in sh.prefix[cached : sh.shared_at_grant]:
+            extra = 1 if self.holders[h] > 1 else 0
+            if copies + extra > free:
+                break
+            copies += extra
+            end += 1
+            self.holders[h] -= 1
+            if not self.holders[h]:
+                del self.holders[h]
+        sh.shared_at_grant = cached + sh.shared_at_grant - end
+        sh.prefix = sh.prefix[:cached] + sh.prefix[end:]
+        if sh.phase == "stopped":  # the engine's stale instance holds the copies too
+            key = (sh.rid, sh.instance)
+            if key in self.stale:
+                moved = len(self.stale_prefix[key]) - len(sh.prefix)
+                self.stale[key] += moved
+                self.stale_prefix[key] = sh.prefix
+        before = s.snapshot().totals.prefix_mismatches
+        s.note_cached(sh.rid, cached * bs + data.draw(st.integers(0, bs - 1), label="partial"))
+        assert s.snapshot().totals.prefix_mismatches == before + 1
+        assert self._free() == s.ledger.free, (self._free(), s.ledger.free)
+
     # -- rules: the engine frees KV and confirms ---------------------------------------------
 
     @precondition(lambda self: bool(self.stale))
@@ -619,6 +696,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
         keys = sorted(self.stale)
         key = keys[i % len(keys)]
         del self.stale[key]
+        del self.stale_prefix[key]
         if fate == "delay":
             self.delayed.append(key)
         elif fate == "lose":
@@ -766,6 +844,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
         inv.tokens_within_grant(s, shadows, self.slack)  # 3
         inv.stopped_blocks_wait_for_confirmation(s, snap, shadows, self.stale)  # 4
         inv.idle_requests_cost_nothing(s, shadows)  # 7
+        inv.shared_blocks_charged_once(s, shadows, self.stale_prefix)  # 8
 
     # -- teardown: drive everything to completion ---------------------------------------------
 
@@ -799,6 +878,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 self._deliver(self.delayed.pop(0))
             for key in sorted(self.stale):
                 del self.stale[key]
+                del self.stale_prefix[key]
                 self._deliver(key)
             if any(sh.phase == "stopped" for sh in self.shadows.values()):
                 # confirmations were lost: let them time out, then reconcile

@@ -31,6 +31,18 @@ class Shadow:
     instance: int = 0  # bumped at every stop; identifies engine-side stale KV
     preempt_checkpoint: Checkpoint | None = None
     actions: list[str] = attrs.Factory(list)
+    #: the prompt-block hashes charged as shared (the spec's, less those the engine did not
+    #: find in its cache), and how many of them another holder held at the grant
+    prefix: tuple[int, ...] = ()
+    shared_at_grant: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        self.prefix = self.spec.prefix_blocks
+
+    @property
+    def own_blocks(self) -> int:
+        """Blocks of the grant that are this request's alone (the rest are shared hashes)."""
+        return self.blocks - len(self.prefix) if self.blocks else 0
 
     @property
     def end(self) -> str | None:

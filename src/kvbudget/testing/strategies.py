@@ -105,6 +105,12 @@ def request_specs(
     return build()
 
 
+def prefix_chain(chain: int, blocks: int) -> tuple[int, ...]:
+    """The first ``blocks`` block hashes of "system prompt" ``chain``: requests of one chain
+    share every leading block up to the shorter one's length, as chained hashes do."""
+    return tuple(chain * 1_000_003 + i for i in range(blocks))
+
+
 def capacities(
     *, min_blocks: int = 4, max_blocks: int = 96, block_sizes: Sequence[int] = (1, 2, 4, 8, 16)
 ) -> st.SearchStrategy[Capacity]:

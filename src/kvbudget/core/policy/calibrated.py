@@ -283,7 +283,7 @@ class CalibratedPolicy(BasePolicy):
                     break
                 if victim.request_id in allowed:
                     chosen.append(victim)
-                    freed += victim.blocks
+                    freed += self._s.ledger.footprint(victim)
             return chosen
         now = self._s.now
         eligible = [r for r in candidates if self._eligible(req, r)]
@@ -300,7 +300,7 @@ class CalibratedPolicy(BasePolicy):
             if freed >= need_blocks:
                 break
             chosen.append(victim)
-            freed += victim.blocks
+            freed += self._s.ledger.footprint(victim)
         return chosen
 
     def on_granted(self, req: Request) -> None:

@@ -54,7 +54,7 @@ import attrs
 
 from kvbudget.budget import Budget, GenerationResult
 from kvbudget.core.config import SchedulerConfig
-from kvbudget.core.model import Capacity, RequestSpec, ServiceClass
+from kvbudget.core.model import Capacity, RequestSpec, ServiceClass, block_hashes
 from kvbudget.core.resume import Checkpoint
 from kvbudget.engines.base import EngineStep
 from kvbudget.errors import (
@@ -380,6 +380,7 @@ class _Segment:
         "end_mark",
         "engine_finished",
         "final",
+        "first",
         "paused",
         "pushed",
         "q",
@@ -387,9 +388,12 @@ class _Segment:
         "vid",
     )
 
-    def __init__(self, vid: str, base: int) -> None:
+    def __init__(self, vid: str, base: int, first: bool = False) -> None:
         self.vid = vid
         self.base = base  # output tokens the request had when this segment was submitted
+        #: the first vLLM request of its grant: its first output reports the prefix cache hit
+        #: the grant was charged for
+        self.first = first
         self.q: Any = None  # vLLM's RequestOutputCollector once registered
         self.pushed = 0  # tokens vLLM pushed for it
         self.consumed = 0  # tokens kept and handed on
@@ -484,7 +488,7 @@ class _RequestEngine:
     async def _submit(self, eid: str, k: int, max_tokens: int) -> _Segment:
         vid = eid if k == 0 else f"{eid}.{k}"
         base = len(self.ids)
-        seg = _Segment(vid, base)
+        seg = _Segment(vid, base, first=k == 0)
         self.segments.setdefault(eid, []).append(seg)
         self.current = seg
         if k:
@@ -550,6 +554,11 @@ class _RequestEngine:
             return
         if count:
             seg.pushed += len(output.outputs[0].token_ids)
+        if seg.first:
+            seg.first = False
+            cached = getattr(output, "num_cached_tokens", None)
+            if isinstance(cached, int) and cached >= 0:
+                self.owner.note_cached(self.request_id, cached)
         if output.finished:
             seg.engine_finished = output.outputs[0].finish_reason in ("stop", "length")
             self._ended(seg)
@@ -836,6 +845,13 @@ class BudgetedEngine:
             cfg, max_active=max_active, slack_tokens=slack, prefill_chunk_tokens=chunk
         )
         self.slack_tokens = slack
+        #: vLLM shares the full blocks of equal prompt prefixes (on by default): requests name
+        #: their prompt's block hashes, and the budget charges a shared block once
+        self.prefix_caching = bool(getattr(cache, "enable_prefix_caching", False))
+        #: first outputs whose cached prompt tokens were fewer than the budget counted shared
+        self.prefix_mismatches = 0
+        #: prompt tokens vLLM reported it found in its prefix cache (first segments)
+        self.prefix_cached_tokens = 0
         #: the kvbudget Budget that owns the promises
         self.budget = Budget(
             self.capacity,
@@ -1061,6 +1077,45 @@ class BudgetedEngine:
             "forms are not supported by kvbudget)",
         )
 
+    def _prefix_blocks(
+        self, prompt: Any, prompt_ids: list[int], engine_kwargs: Mapping[str, Any]
+    ) -> tuple[int, ...]:
+        """The prompt's full-block hashes as vLLM's prefix cache keys them: its tokens (all but
+        the last, which vLLM always computes), and what else it keys a block on: the LoRA
+        adapter and the prompt's ``cache_salt``. Nothing when the engine caches no prefixes or
+        the prompt carries more than tokens (multimodal inputs are keyed on their contents)."""
+        if not self.prefix_caching or not _tokens_only(prompt):
+            return ()
+        lora = engine_kwargs.get("lora_request")
+        lora_key = (
+            None
+            if lora is None
+            else (getattr(lora, "lora_name", None), getattr(lora, "lora_int_id", None))
+        )
+        salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+        key = None if lora_key is None and salt is None else (lora_key, str(salt))
+        return block_hashes(prompt_ids, self.capacity.block_size, salt=key)
+
+    def note_cached(self, request_id: str, cached_tokens: int) -> None:
+        """vLLM's first output of ``request_id`` says it found ``cached_tokens`` of the prompt
+        in its prefix cache: the budget charges the copies of blocks it counted as shared but
+        vLLM computed anew (``Scheduler.note_cached``), and the mismatch is counted."""
+        self.prefix_cached_tokens += cached_tokens
+        sched = self.budget.scheduler
+        req = sched.requests.get(request_id)
+        if req is None:
+            return
+        before = req.stats.prefix_mismatches
+        sched.note_cached(request_id, cached_tokens)
+        if req.stats.prefix_mismatches != before:
+            self.prefix_mismatches += 1
+            log.info(
+                "vllm_prefix_mismatch",
+                request_id=request_id,
+                cached_tokens=cached_tokens,
+                expected_blocks=req.shared_at_grant,
+            )
+
     def _check_vocabulary(self, prompt_ids: list[int]) -> None:
         """vLLM's own vocabulary check (``renderer.validate_token_ids``), before the budget
         admits anything: inside ``add_request`` it would fail the request after admission (a
@@ -1226,6 +1281,7 @@ class BudgetedEngine:
             on_exhausted=on_exhausted,
             deadline=deadline,
             resumable=not blockers,
+            prefix_blocks=self._prefix_blocks(prompt, prompt_ids, engine_kwargs),
         )
         if blockers:
             log.debug("vllm_full_grant", request_id=request_id, because=blockers)
