@@ -266,9 +266,11 @@ def test_engine_caching_less_than_counted_charges_the_copies(
             await task
             await _settle(be)
             assert out.num_cached_tokens == 0
+            assert len(out.outputs[0].token_ids) + len(rest[0]) == 30
             return [await task, rest], be.snapshot(), reserved
 
     res, snap, reserved = env.run(go())
+    assert len(res[0][0]) == 300
     assert snap.totals.prefix_shared_blocks == 20
     assert snap.totals.prefix_mismatches == 1
     # the second holds 20 prompt blocks of its own: charged once the engine said so
