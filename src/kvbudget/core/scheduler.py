@@ -894,6 +894,7 @@ class Scheduler:
             return False
         gates = (self.policy.admit(req, blocks) or (self.active == 0 and self.releasing == 0)) and (
             self.active == 0
+            or not self.front  # (the latency-floor gate is kvbudget's front: no engine has it)
             or self._within_floor(
                 1, req.prompt + req.generated + allowance, req.prompt + req.generated
             )
