@@ -256,15 +256,15 @@ def _sglang_case(
 ) -> tuple[Scheduler, NewTokenRatioPolicy, list[ev.Action]]:
     """10 blocks. a (prompt 16, max 64) at 32 tokens holds 4 blocks (granted to 48), b (prompt
     32, max 64) at 16 tokens holds 4 (granted to 32), c (prompt 16, max 48) at 16 tokens holds 2:
-    the cache is full and c, at its boundary, cannot allocate. (The ratio is held at 0.1 so that
-    all three are admitted.)"""
+    the cache is full and c, at its boundary, cannot allocate. (The ratio starts at 0.1 and each
+    comes in its own round, so that all three are admitted.)"""
     policy = NewTokenRatioPolicy(
         init_ratio=0.1, min_ratio=min_ratio, decay_steps=600, retract_decode_steps=steps
     )
     s = sched(10, policy)
     assert of(s.arrive("a", spec(prompt=16, max_tokens=64), 0.0), ev.Admit)
-    assert of(s.arrive("b", spec(prompt=32, max_tokens=64), 0.0), ev.Admit)
-    assert of(s.arrive("c", spec(prompt=16, max_tokens=48), 0.0), ev.Admit)
+    assert of(s.arrive("b", spec(prompt=32, max_tokens=64), 0.1), ev.Admit)
+    assert of(s.arrive("c", spec(prompt=16, max_tokens=48), 0.2), ev.Admit)
     grow(s, "a", 32)
     grow(s, "b", 16)
     s.charge("c", 16, 0.0)
@@ -314,6 +314,17 @@ def test_sglang_ratio_decays_per_step_except_when_it_retracts() -> None:
     for _ in range(700):
         s2.observe_step(0, 0, 0.01, 0.0)
     assert fresh.ratio == pytest.approx(0.098)
+
+
+def test_sglang_admission_charges_a_newcomer_whole_in_its_round() -> None:
+    """PrefillAdder: free tokens must cover running remaining x ratio + the newcomer's prompt +
+    min(max_new, 4096); a request admitted in the same round counts whole. 10 blocks, ratio 0.1:
+    a (prompt 16, max 64) leaves 128 free tokens; b (prompt 32, max 64) in the same round needs
+    6.4 + 57.6 (a's whole 64, beyond its 6.4) + 96 > 128; in the next round 6.4 + 96 <= 128."""
+    s = sched(10, NewTokenRatioPolicy(init_ratio=0.1, min_ratio=0.1))
+    assert of(s.arrive("a", spec(prompt=16, max_tokens=64), 0.0), ev.Admit)
+    assert not of(s.arrive("b", spec(prompt=32, max_tokens=64), 0.0), ev.Admit)
+    assert of(s.tick(0.1), ev.Admit, "b")
 
 
 def test_sglang_defaults_are_sglangs_constants() -> None:

@@ -204,12 +204,25 @@ class NewTokenRatioPolicy(ReserveCurrentPolicy):
         )
         self.ratio = self.init_ratio
         self._retracted = False  # this step retracted: it does not decay the ratio
+        #: the admission round (one instant) and what its admissions charge beyond remaining x
+        #: ratio: PrefillAdder takes a newcomer's whole min(max_new, 4096) off the budget of the
+        #: round it joins; only from the next round on does it count as running
+        self._round_now = -1.0
+        self._round_extra = 0.0
 
     def admit(self, req: Request, blocks: int) -> bool:
-        led = self._s.ledger
+        s = self._s
+        if s.now != self._round_now:
+            self._round_now = s.now
+            self._round_extra = 0.0
+        led = s.ledger
         running_rest = (led.active_hard_max - led.active_generated) * self.ratio
-        needed = req.prompt + req.generated + min(req.remaining, self.clip)
-        return led.free * self.block_size - running_rest - needed >= 0
+        future = min(req.remaining, self.clip)
+        needed = req.prompt + req.generated + future
+        ok = led.free * self.block_size - running_rest - self._round_extra - needed >= 0
+        if ok:
+            self._round_extra += future - req.remaining * self.ratio
+        return ok
 
     def choose_victims(
         self, req: Request, need_blocks: int, candidates: Sequence[Request]
