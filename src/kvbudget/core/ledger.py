@@ -154,6 +154,16 @@ class Ledger:
         reused = self.reusable(req) if req.blocks == 0 else req.shared_at_grant
         return max(1, req.prompt + req.generated - reused * self.block_size)
 
+    def reprefill_tokens(self, req: Request) -> int:
+        """The tokens re-prefilling ``req`` after a pause would compute: its context less the
+        prompt blocks another holder keeps in the engine's cache meanwhile."""
+        shared = self.shared
+        if req.blocks:  # it holds its prefix itself: what others hold too stays cached
+            kept = sum(1 for h in req.prefix if shared.get(h, 0) > 1)
+        else:
+            kept = self.reusable(req)
+        return max(1, req.prompt + req.generated - kept * self.block_size)
+
     def footprint(self, req: Request) -> int:
         """The blocks that releasing ``req`` would return: its own blocks and the prefix
         blocks no other holder is charged for."""

@@ -226,10 +226,10 @@ class Scheduler:
         now = self._time(now)
         stats = self._stats(cls.name, spec.tenant)
         req = Request(request_id, spec, cls, now, stats)
-        req.want_blocks = self._want_blocks(req)  # may raise PolicyViolation: count after it
+        grant = self._want_blocks(req)  # may raise PolicyViolation: count after it
         stats.arrived += 1
         self.forecast.note_arrival(req, now)
-        if req.want_blocks > self.ledger.room(cls.protected):
+        if grant > self.ledger.room(cls.protected):
             return [self._reject_new(req, self.config.max_retry_after_s, "too-large")]
         refusal = self._arrival_refusal(req) if self._arrival_refusal is not None else None
         if refusal is not None:
@@ -262,8 +262,13 @@ class Scheduler:
         return actions
 
     def _want_blocks(self, req: Request) -> int:
-        allowance = self._allowance(req)
-        return self.ledger.grant_blocks(req, req.generated + allowance)
+        """The blocks of ``req``'s next grant, which it may never exceed ``room`` by; its queue
+        demand (``req.want_blocks``) is what the grant would take now, less the prompt blocks
+        a live twin holds (estimated waits are then not inflated by a shared prefix counted
+        once per queued twin)."""
+        blocks = self.ledger.grant_blocks(req, req.generated + self._allowance(req))
+        req.want_blocks = blocks - self.ledger.reusable(req)
+        return blocks
 
     def _allowance(self, req: Request) -> int:
         if not req.spec.resumable:
@@ -559,9 +564,9 @@ class Scheduler:
         if preempting:  # (the confirmation moved it to checkpointed)
             req.resume = req.checkpoint()
             req.requeue_front = self.policy.requeue_front
-            req.want_blocks = self._want_blocks(req)
+            grant = self._want_blocks(req)
             actions.append(ev.Released(req.request_id, freed, "preempted", resumable=True))
-            if req.want_blocks > self.ledger.room(req.cls.protected):
+            if grant > self.ledger.room(req.cls.protected):
                 # it grew past what the cache can ever hold again: it cannot resume, and queued
                 # it would block its class until its deadline. End it explicitly.
                 actions.append(self._expire(req, self.config.max_retry_after_s, "too-large"))

@@ -141,8 +141,9 @@ class CalibratedPolicy(BasePolicy):
         """Is re-prefilling ``req`` after a pause cheap against its objective? True when the
         engine's own prefill cost has been measured (``min_prefill_observations`` prefills seen
         by the cost model: an adapter that reads the engine's step details feeds them; the
-        simulator does not) and re-prefilling its prompt plus the p90 of its length takes at
-        most ``recompute_share`` of its first-token objective (2 s for a class without one).
+        simulator does not) and re-prefilling its prompt plus the p90 of its length (less the
+        prompt blocks its twins keep cached) takes at most ``recompute_share`` of its
+        first-token objective (2 s for a class without one).
         Such a request is granted like vLLM grants: the blocks it fills now and one more, grown
         two blocks at a time; when the cache runs out the most recently admitted request is
         paused (checkpointed), as vLLM preempts, but before the engine has to."""
@@ -154,8 +155,11 @@ class CalibratedPolicy(BasePolicy):
         if cost.prefill_observations < self.min_prefill_observations:
             return False
         objective = req.cls.ttft_slo_s if req.cls.ttft_slo_s is not None else _REFERENCE_S
-        expected = req.prompt + max(req.generated, s.lengths.quantile(req.key, 0.9))
-        return cost.predict_prefill(min(expected, req.prompt + req.hard_max)) <= share * objective
+        # its context then (up to the p90 of its length), less the prompt blocks its twins keep
+        # in the engine's cache
+        more = max(0, min(req.hard_max, s.lengths.quantile(req.key, 0.9)) - req.generated)
+        expected = s.ledger.reprefill_tokens(req) + more
+        return cost.predict_prefill(expected) <= share * objective
 
     def acts_ahead(self, req: Request) -> bool:
         return self.cheap_to_pause(req)
