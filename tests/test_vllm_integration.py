@@ -650,3 +650,30 @@ def test_engine_death_fails_leases_and_frees_nothing(env: _Env) -> None:
     assert dead
     # the dead engine's KV is gone with it: kvbudget frees nothing it did not confirm
     assert snap.reserved_blocks > 0 and snap.totals.failed == 1
+
+
+def test_text_held_back_for_an_unfinished_character_goes_out_at_the_end(env: _Env) -> None:
+    """The adapter decodes a stream itself after a prompt ending mid-character (and after a
+    pause). An output whose last tokens are complete characters between two unfinished ones,
+    arriving in one final output, was held back and never sent (the streams of serve_bench's
+    shared-prefix run lost up to 8 characters at the end): at the end everything held back
+    goes out, so the text is the decoding of every token, an unfinished last character left
+    out as vLLM's detokenizer leaves it."""
+    from kvbudget.engines.vllm.adapter import _SeamText
+
+    tok = env.engine.tokenizer
+    vocab = range(5, 1000)
+    partial = [t for t in vocab if tok.decode([t]).endswith("\ufffd")]
+    letters = [t for t in vocab if tok.decode([t]).isalpha()]
+    tokens = [letters[0], partial[0], letters[1], letters[2], letters[3], partial[1]]
+    want = tok.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
+    for split in range(1, len(tokens)):  # the final output carries tokens[split:]
+        seam = _SeamText(tok, [], "", True)
+        ids: list[int] = []
+        text = ""
+        for t in tokens[:split]:
+            ids.append(t)
+            text += seam.delta(ids)
+        ids.extend(tokens[split:])
+        text += seam.delta(ids, final=True)
+        assert text == want, (split, text, want)

@@ -347,13 +347,18 @@ class _SeamText:
             self._prefix, prefix_len = 0, len(full) - owed
         self._prefix_len = prefix_len
 
-    def delta(self, ids: list[int]) -> str:
-        """The text ``ids`` (every output token so far) add to what was already returned."""
+    def delta(self, ids: list[int], final: bool = False) -> str:
+        """The text ``ids`` (every output token so far) add to what was already returned
+        (``final``: the stream's last tokens, after which nothing more can complete a
+        character)."""
         new = self._decode(ids[self._prefix :])
-        if len(new) <= self._prefix_len or new.endswith("\ufffd"):
-            # nothing new, or an unfinished character: wait for the next token (at the end,
-            # vLLM's own detokenizer leaves an unfinished character out too)
+        if len(new) <= self._prefix_len or (new.endswith("\ufffd") and not final):
+            # nothing new, or an unfinished character: wait for the next token. At the end
+            # everything held back goes out, so the text is the decoding of every token (the
+            # tokens held back include complete characters before the unfinished one)
             return ""
+        if final:  # an unfinished character at the very end is left out, as vLLM does
+            new = new.rstrip("\ufffd")
         text = new[self._prefix_len :]
         self._prefix, self._read = self._read, len(ids)
         self._prefix_len = len(self._decode(ids[self._prefix : self._read]))
@@ -653,7 +658,8 @@ class _RequestEngine:
                     seg.consumed += n
                     self.ids.extend(toks)
                 if seg.text is not None:
-                    comp.text = seg.text.delta(self.ids) if n else ""
+                    last = out.finished and comp.finish_reason in ("stop", "length")
+                    comp.text = seg.text.delta(self.ids, final=last) if n or last else ""
                 if out.finished:
                     reason = comp.finish_reason
                     if reason == "stop" or reason == "length":
