@@ -677,3 +677,41 @@ def test_text_held_back_for_an_unfinished_character_goes_out_at_the_end(env: _En
         ids.extend(tokens[split:])
         text += seam.delta(ids, final=True)
         assert text == want, (split, text, want)
+
+
+def test_stop_string_after_a_prompt_ending_mid_character(env: _Env) -> None:
+    """The adapter's own decoding must not switch vLLM's detokenizer off for a request with
+    stop strings (vLLM would then never match them and run on past the stop): a prompt ending
+    mid-character, a stop string taken from its greedy output, the same tokens, text and
+    finish reason as under vLLM alone."""
+    import random
+
+    tok = env.engine.tokenizer
+    rng = random.Random(11)
+    while True:
+        prompt = [rng.randrange(5, 1000) for _ in range(PAUSE_PROMPT)]
+        if tok.decode(prompt).endswith("\ufffd"):
+            break
+
+    async def bare(sp: Any, rid: str) -> tuple[list[int], str, Any]:
+        return await _stream_all(env.engine.generate({"prompt_token_ids": prompt}, sp, rid))
+
+    _ids, text, _ = env.run(bare(_sp(60), "stop-probe"))
+    words = [w for w in text.split() if w.isascii() and w.isalpha() and len(w) >= 3]
+    assert words, text
+    stop = words[len(words) // 2]
+    ref = env.run(bare(_sp(60, stop=[stop]), "stop-bare"))
+    assert ref[2].outputs[0].finish_reason == "stop"
+
+    async def budgeted() -> tuple[list[int], str, Any]:
+        be = env.budgeted()
+        async with be:
+            res = await _stream_all(
+                be.generate({"prompt_token_ids": prompt}, _sp(60, stop=[stop]), "stop-kvb")
+            )
+            await _settle(be)
+            return res
+
+    ids, text2, last = env.run(budgeted())
+    assert last.outputs[0].finish_reason == "stop"
+    assert ids == ref[0] and text2 == ref[1]

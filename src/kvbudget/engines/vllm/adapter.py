@@ -454,8 +454,15 @@ class _RequestEngine:
         tok = self.tokenizer
         #: the adapter decodes every segment itself (not only resumed ones): the caller's
         #: prompt decodes to an unfinished character, which vLLM's detokenizer would answer
-        #: with the prompt's own text (see _SeamText)
-        self.own_text = tok is not None and str(tok.decode(prompt_ids[-8:])).endswith("\ufffd")
+        #: with the prompt's own text (see _SeamText). Not with stop strings: vLLM matches them
+        #: on its own detokenized text, which it would not produce (such a request is never
+        #: paused, so only its first segment runs; its text may then start with the prompt's
+        #: unfinished character, as under vLLM alone)
+        self.own_text = (
+            tok is not None
+            and not getattr(params, "stop", None)
+            and str(tok.decode(prompt_ids[-8:])).endswith("\ufffd")
+        )
         #: text handed on so far, a piece per step, and each step's tokens (a resumed segment
         #: continues that text)
         self.sent: list[str] = []
