@@ -888,6 +888,8 @@ class BudgetedEngine:
         self.owns_engine = owns_engine
         self.dead = False
         self._requests: dict[str, _RequestEngine] = {}
+        #: requests with n > 1 -> their samples' request ids
+        self._parents: dict[str, list[str]] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._entered = False
         self._bg: set[asyncio.Task[None]] = set()
@@ -1221,6 +1223,9 @@ class BudgetedEngine:
             prompt, sampling_params, request_id, service_class, tenant, task, durable, deadline,
             on_exhausted, sink, engine_kwargs,
         )
+        n = getattr(sampling_params, "n", 1)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            return self._fan_out(args, n, arrive_now)
         if arrive_now:
             prepared = self._prepare(*args, arrive_now=True)
             stream = self._stream(prepared)
@@ -1229,6 +1234,107 @@ class BudgetedEngine:
             weakref.finalize(stream, self._forget_unstarted, prepared.reng)
             return stream
         return self._generate_lazily(args)
+
+    # -- n > 1: parallel samples of one prompt --------------------------------------------------
+
+    def _fan_out(
+        self, args: tuple[Any, ...], n: int, arrive_now: bool
+    ) -> AsyncGenerator[Any, None]:
+        """``n`` parallel samples, as vLLM runs them: ``n`` child requests ``"{i}_{request_id}"``
+        with ``n=1`` (seed ``seed + i`` when seeded), each its own budget request. They name
+        the same prompt blocks, so the budget charges the prompt once and a grant per sample.
+        All or none are admitted (``arrive_now``: an Overloaded child gives the others up)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        prompt, params, request_id = args[0], args[1], args[2]
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidInput("request_id", request_id, "a non-empty string")
+        if request_id in self._parents:
+            from kvbudget.errors import DuplicateRequest
+
+            raise DuplicateRequest(request_id)
+        kind_value = params.output_kind
+        kind: OutputKind = (
+            "delta"
+            if kind_value == RequestOutputKind.DELTA
+            else "final"
+            if kind_value == RequestOutputKind.FINAL_ONLY
+            else "cumulative"
+        )
+        children: list[tuple[str, Any]] = []
+        for i in range(n):
+            child = params.clone()
+            child.n = 1
+            if params.seed is not None:
+                child.seed = params.seed + i  # vLLM's ParentRequest does the same
+            children.append((f"{i}_{request_id}", child))
+        if arrive_now:
+            streams = []
+            prepare: Any = self._prepare  # (args[3:] are its other parameters, in order)
+            for cid, child in children:  # (dropped unstarted, a child gives its lease up)
+                prepared = prepare(prompt, child, cid, *args[3:], arrive_now=True)
+                stream = self._stream(prepared)
+                weakref.finalize(stream, self._forget_unstarted, prepared.reng)
+                streams.append(stream)
+        else:
+            streams = [
+                self._generate_lazily((prompt, child, cid, *args[3:])) for cid, child in children
+            ]
+        self._parents[request_id] = [cid for cid, _ in children]
+        return self._merge(request_id, streams, kind)
+
+    async def _merge(
+        self, request_id: str, streams: list[AsyncGenerator[Any, None]], kind: OutputKind
+    ) -> AsyncGenerator[Any, None]:
+        """One stream of the children's outputs, as vLLM's parent request gives them: each
+        child's completion at its ``index``; DELTA: every child output as it comes; CUMULATIVE:
+        every child's latest completion; FINAL_ONLY: one output with all; ``finished`` once
+        every child finished. A child's error ends the whole request (the others are
+        aborted)."""
+        queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, stream: AsyncGenerator[Any, None]) -> None:
+            try:
+                async with contextlib.aclosing(stream):
+                    async for out in stream:
+                        await queue.put((i, out, None))
+            except Exception as exc:
+                await queue.put((i, None, exc))
+                return
+            await queue.put((i, None, None))
+
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(pump(i, st)) for i, st in enumerate(streams)]
+        latest: dict[int, Any] = {}
+        ended = finished = 0
+        try:
+            while ended < len(streams):
+                i, out, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                if out is None:
+                    ended += 1
+                    continue
+                for comp in out.outputs:
+                    comp.index = i
+                out.request_id = request_id
+                if out.finished:
+                    finished += 1
+                out.finished = finished == len(streams)
+                if kind == "delta":
+                    yield out
+                    continue
+                latest[i] = out.outputs[0]
+                if kind == "cumulative" or out.finished:
+                    out.outputs = [latest[k] for k in sorted(latest)]
+                    yield out
+        finally:
+            self._parents.pop(request_id, None)
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(BaseException):
+                    await t
 
     def _forget_unstarted(self, reng: _RequestEngine) -> None:
         if self._requests.get(reng.request_id) is reng:
@@ -1266,8 +1372,8 @@ class BudgetedEngine:
             from kvbudget.errors import DuplicateRequest
 
             raise DuplicateRequest(request_id)
-        if getattr(sampling_params, "n", 1) != 1:
-            raise InvalidInput("sampling_params.n", sampling_params.n, "1 (n > 1 is not supported)")
+        if getattr(sampling_params, "n", 1) != 1:  # (generate fans n > 1 out before this)
+            raise InvalidInput("sampling_params.n", sampling_params.n, "1 for one budget request")
         blockers = pause_blockers(sampling_params)
         prompt_ids, prompt_text = self._prompt_ids(prompt)
         self._check_vocabulary(prompt_ids)
@@ -1375,6 +1481,7 @@ class BudgetedEngine:
         final output whose ``finish_reason`` is ``"abort"``; the blocks return once vLLM
         confirms. Unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        ids = [c for rid in ids for c in self._parents.get(rid, [rid])]  # n > 1: its samples
         for rid in ids:
             reng = self._requests.get(rid)
             if reng is None:
