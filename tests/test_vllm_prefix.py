@@ -324,7 +324,8 @@ def test_parallel_samples_share_one_prompt_charge(env: _Env, kind: str) -> None:
     for i in range(3):
         assert len(res[0][i]) == 24
         assert res[0][i] == ref[0][i], f"sample {i}: not vLLM's own sample {i}"
-        assert res[1][i] == ref[1][i]
+        # (vLLM's own text, but for a prompt ending mid-character, whose text vLLM sends back)
+        assert res[1][i] == vllm_support.expected_text(env.engine, prompt, res[0][i])
     assert snap.totals.prefix_shared_blocks == 2 * 12
     assert snap.completed == 3 and snap.reserved_blocks == 0
 
