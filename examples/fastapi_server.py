@@ -129,6 +129,7 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
 class Delta:
     text: str
     token_ids: list[int]
+    index: int = 0  # the choice (n > 1: one per sample)
 
     @property
     def tokens(self) -> int:
@@ -140,20 +141,25 @@ class Finish:
     reason: str
     generated: int
     kvbudget: dict[str, Any] | None = None
+    index: int = 0
 
 
 async def run_generation(
     engine: Any, prompt_ids: list[int], sampling: Any, request_id: str,
     opts: _common.RequestOptions,
 ) -> AsyncGenerator[Delta | Finish, None]:
-    """Drive ``engine.generate`` and turn its ``RequestOutput``s into deltas and one finish.
+    """Drive ``engine.generate`` and turn its ``RequestOutput``s into deltas and one finish per
+    choice (``n`` of each for ``n`` samples: the adapter runs them as ``n`` budget requests
+    that share the prompt's blocks).
 
     Closing this generator closes the engine's generator, which aborts the engine request (unless
-    the request is durable). Overloaded/EngineError propagate; a continuation becomes a Finish.
+    the request is durable). Overloaded/EngineError propagate; a continuation becomes a Finish
+    (with ``n > 1`` the first continuation ends every sample).
     """
     from vllm import TokensPrompt
 
-    generated = 0
+    generated: dict[int, int] = {}
+    ended: set[int] = set()
     sink = _durable_sink if opts.durable else None
     stream = engine.generate(
         TokensPrompt(prompt_token_ids=prompt_ids), sampling, request_id, sink=sink,
@@ -161,16 +167,18 @@ async def run_generation(
     )
     try:
         async for out in stream:
-            comp = out.outputs[0]
-            n = len(comp.token_ids)
-            generated += n
-            if n or comp.text:
-                yield Delta(comp.text, list(comp.token_ids))
+            for comp in out.outputs:
+                i = comp.index
+                n = len(comp.token_ids)
+                generated[i] = generated.get(i, 0) + n
+                if n or comp.text:
+                    yield Delta(comp.text, list(comp.token_ids), i)
+                if comp.finish_reason is not None and i not in ended:
+                    if comp.finish_reason == "abort":
+                        raise kvbudget.EngineError(request_id, "the engine aborted the request")
+                    ended.add(i)
+                    yield Finish(comp.finish_reason, generated[i], index=i)
             if out.finished:
-                reason = comp.finish_reason or "stop"
-                if reason == "abort":
-                    raise kvbudget.EngineError(request_id, "the engine aborted the request")
-                yield Finish(reason, generated)
                 return
     except kvbudget.ContinuationRequired as exc:
         cont = exc.continuation
@@ -282,9 +290,7 @@ class Server:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        n = _common.number(body, "n", lo=1, integer=True)
-        if n is not None and n != 1:
-            raise _common.BadRequest("only n=1 is supported", "n")
+        n = _common.number(body, "n", lo=1, hi=MAX_N, integer=True)
         room = self.max_model_len - prompt_len
         if room < 1:
             raise _common.BadRequest(
@@ -304,6 +310,7 @@ class Server:
             "top_p": 1.0,
             "ignore_eos": _flag(body, "ignore_eos"),
             "output_kind": RequestOutputKind.DELTA,
+            "n": n or 1,
         }
         # the sampling fields this example passes on, in vLLM's ranges; a request whose output
         # a pause would change (seed, penalties, stop strings) is given a grant to its hard max
@@ -425,30 +432,35 @@ class Server:
         except Exception as exc:
             await events.aclose()
             return exception_response(exc)
-        fmt = _Format(rid, self.model, chat, len(ids), bool(body.get("return_token_ids")))
+        fmt = _Format(
+            rid, self.model, chat, len(ids), bool(body.get("return_token_ids")), sampling.n
+        )
         if body.get("stream"):
             opts_stream = body.get("stream_options") or {}
             return SSEResponse(
                 self.stream(events, first, fmt, bool(opts_stream.get("include_usage")))
             )
         try:
-            text: list[str] = []
-            token_ids: list[int] = []
-            finish: Finish | None = None
+            text: dict[int, list[str]] = {}
+            token_ids: dict[int, list[int]] = {}
+            finishes: dict[int, Finish] = {}
             event: Delta | Finish | None = first
             while event is not None:
                 if isinstance(event, Delta):
-                    text.append(event.text)
-                    token_ids.extend(event.token_ids)
+                    text.setdefault(event.index, []).append(event.text)
+                    token_ids.setdefault(event.index, []).extend(event.token_ids)
                 else:
-                    finish = event
+                    finishes[event.index] = event
                 event = await anext(events, None)
         except Exception as exc:
             return exception_response(exc)
         finally:
             await events.aclose()
-        assert finish is not None
-        return JSONResponse(fmt.full("".join(text), finish, token_ids))
+        assert finishes
+        choices = [
+            ("".join(text.get(i, [])), finishes[i], token_ids.get(i, [])) for i in sorted(finishes)
+        ]
+        return JSONResponse(fmt.full(choices))
 
     async def stream(
         self, events: AsyncGenerator[Delta | Finish, None], first: Delta | Finish,
@@ -456,26 +468,32 @@ class Server:
     ) -> AsyncGenerator[str, None]:
         try:
             if fmt.chat:
-                yield sse(fmt.chunk(None, "", role=True))
+                for i in range(fmt.n):
+                    yield sse(fmt.chunk(None, "", role=True, index=i))
             event: Delta | Finish | None = first
-            finish: Finish | None = None
+            finishes: list[Finish] = []
             try:
                 while event is not None:
                     if isinstance(event, Delta):
-                        yield sse(fmt.chunk(None, event.text, token_ids=event.token_ids))
+                        yield sse(fmt.chunk(
+                            None, event.text, token_ids=event.token_ids, index=event.index
+                        ))
                     else:
-                        finish = event
-                        yield sse(fmt.chunk(event, ""))
+                        finishes.append(event)
+                        yield sse(fmt.chunk(event, "", index=event.index))
                     event = await anext(events, None)
             except Exception as exc:  # after the headers: report it in the stream
                 yield sse(error_payload(exc))
-            if include_usage and finish is not None:
-                yield sse(fmt.usage_chunk(finish))
+            if include_usage and finishes:
+                yield sse(fmt.usage_chunk(finishes))
             yield sse("[DONE]")
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()
 
+
+#: the most parallel samples one request may ask for (each is a budget request of its own)
+MAX_N = 16
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -509,9 +527,11 @@ class _Format:
     """OpenAI response shapes for completions and chat completions."""
 
     def __init__(
-        self, rid: str, model: str, chat: bool, prompt_tokens: int, token_ids: bool = False
+        self, rid: str, model: str, chat: bool, prompt_tokens: int, token_ids: bool = False,
+        n: int = 1,
     ) -> None:
         self.rid = rid
+        self.n = n  # choices (parallel samples)
         self.model = model
         self.chat = chat
         self.prompt_tokens = prompt_tokens
@@ -522,16 +542,17 @@ class _Format:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
 
-    def usage(self, finish: Finish) -> dict[str, int]:
+    def usage(self, finishes: list[Finish]) -> dict[str, int]:
+        generated = sum(f.generated for f in finishes)
         return {
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": finish.generated,
-            "total_tokens": self.prompt_tokens + finish.generated,
+            "completion_tokens": generated,
+            "total_tokens": self.prompt_tokens + generated,
         }
 
     def chunk(
         self, finish: Finish | None, text: str, role: bool = False,
-        token_ids: list[int] | None = None,
+        token_ids: list[int] | None = None, index: int = 0,
     ) -> dict[str, Any]:
         reason = finish.reason if finish is not None else None
         if self.chat:
@@ -539,11 +560,11 @@ class _Format:
             if text:
                 delta["content"] = text
             choice: dict[str, Any] = {
-                "index": 0, "delta": delta, "logprobs": None, "finish_reason": reason,
+                "index": index, "delta": delta, "logprobs": None, "finish_reason": reason,
             }
             out = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
             out = self._head("text_completion")
         if self.token_ids:
             choice["token_ids"] = list(token_ids or [])
@@ -552,31 +573,30 @@ class _Format:
             out["kvbudget"] = finish.kvbudget
         return out
 
-    def usage_chunk(self, finish: Finish) -> dict[str, Any]:
+    def usage_chunk(self, finishes: list[Finish]) -> dict[str, Any]:
         out = self._head("chat.completion.chunk" if self.chat else "text_completion")
         out["choices"] = []
-        out["usage"] = self.usage(finish)
+        out["usage"] = self.usage(finishes)
         return out
 
-    def full(self, text: str, finish: Finish, token_ids: list[int]) -> dict[str, Any]:
-        if self.chat:
-            out = self._head("chat.completion")
-            out["choices"] = [{
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish.reason,
-            }]
-        else:
-            out = self._head("text_completion")
-            out["choices"] = [
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish.reason}
-            ]
-        if self.token_ids:
-            out["choices"][0]["token_ids"] = token_ids
-        out["usage"] = self.usage(finish)
-        if finish.kvbudget is not None:
-            out["kvbudget"] = finish.kvbudget
+    def full(self, choices: list[tuple[str, Finish, list[int]]]) -> dict[str, Any]:
+        """The whole answer: (text, finish, token ids) per choice, in index order."""
+        out = self._head("chat.completion" if self.chat else "text_completion")
+        out["choices"] = []
+        for text, finish, token_ids in choices:
+            choice: dict[str, Any] = (
+                {"index": finish.index, "message": {"role": "assistant", "content": text}}
+                if self.chat
+                else {"index": finish.index, "text": text}
+            )
+            choice["logprobs"] = None
+            choice["finish_reason"] = finish.reason
+            if self.token_ids:
+                choice["token_ids"] = token_ids
+            out["choices"].append(choice)
+            if finish.kvbudget is not None:
+                out["kvbudget"] = finish.kvbudget
+        out["usage"] = self.usage([f for _, f, _ in choices])
         return out
 
 

@@ -291,6 +291,60 @@ def test_openai_client_streams_completion_and_chat(http_url: str, servers: dict[
     _wait_idle(http_url)
 
 
+def test_parallel_samples_n(http_url: str, servers: dict[str, Any]) -> None:
+    """``n=3`` with random sampling, streamed and not, completion and chat: three choices at
+    indices 0-2, each its own token count and finish reason; the usage counts all of them; the
+    budget charged the prompt once (the samples' prompt blocks are shared); an absurd ``n``
+    gets 400."""
+    import openai
+
+    prompt = " ".join(f"word{i}" for i in range(120))  # several full 32-token blocks
+
+    async def main() -> None:
+        client = _client(http_url)
+        comp = await client.completions.create(
+            model=servers["model"], prompt=prompt, max_tokens=10, n=3, temperature=1.0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        assert sorted(c.index for c in comp.choices) == [0, 1, 2]
+        assert all(c.finish_reason == "length" for c in comp.choices)
+        assert all(len(c.model_extra["token_ids"]) == 10 for c in comp.choices)
+        assert comp.usage is not None and comp.usage.completion_tokens == 30
+        stream = await client.completions.create(
+            model=servers["model"], prompt=prompt, max_tokens=12, n=3, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        texts: dict[int, str] = {}
+        reasons: dict[int, str] = {}
+        usage = None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+                if choice.finish_reason:
+                    reasons[choice.index] = choice.finish_reason
+        assert reasons == {0: "length", 1: "length", 2: "length"}
+        assert usage is not None and usage.completion_tokens == 36
+        chat = await client.chat.completions.create(
+            model=servers["model"], messages=[{"role": "user", "content": prompt}],
+            max_tokens=8, n=2, extra_body={"ignore_eos": True},
+        )
+        assert sorted(c.index for c in chat.choices) == [0, 1]
+        assert chat.usage is not None and chat.usage.completion_tokens == 16
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(
+                model=servers["model"], prompt=prompt, max_tokens=4, n=10_000
+            )
+
+    asyncio.run(main())
+    _wait_idle(http_url)
+    import httpx
+
+    snap = httpx.get(f"{http_url}/kvbudget/snapshot", timeout=10).json()
+    assert snap["totals"]["prefix_shared_blocks"] >= 3 * 2  # two samples of three requests
+
+
 def test_client_that_disconnects_returns_its_kv(http_url: str, servers: dict[str, Any]) -> None:
     """A client that closes its stream half-way: the engine request is aborted (counted as
     cancelled) and ``reserved_blocks`` is back at its idle value once the engine confirmed.
