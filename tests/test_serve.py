@@ -123,6 +123,28 @@ def test_completions_and_chat_stream_and_not(server: dict[str, Any]) -> None:
     assert snap["reserved_blocks"] == 0 and snap["totals"]["completed"] >= 4
 
 
+def test_parallel_samples_share_the_prompt(server: dict[str, Any]) -> None:
+    """``n=3`` through vLLM's own OpenAI layer: three choices, each its tokens; the budget
+    charged the prompt once (two samples found its blocks)."""
+    client = _client(server)
+    before = _snapshot(server)["totals"]
+    prompt = " ".join(f"word{i}" for i in range(120))
+    done = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, n=3,
+                                      temperature=1.0, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in done.choices) == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in done.choices)
+    assert done.usage is not None and done.usage.completion_tokens == 36
+    chunks = list(client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=10, n=2, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    ))
+    reasons = {c.index: c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason}
+    assert reasons == {0: "length", 1: "length"}
+    after = _wait_idle(server)["totals"]
+    assert after["completed"] == before["completed"] + 5
+    assert after["prefix_shared_blocks"] >= before["prefix_shared_blocks"] + 3 * 2
+
+
 def test_tools_and_structured_output(server: dict[str, Any]) -> None:
     """A request with tools is served; one under a grammar (``response_format``: structured
     outputs) is granted its hard max, since a pause would restart the grammar, and is never
@@ -155,9 +177,9 @@ def test_what_the_budget_cannot_carry_is_a_clear_400(server: dict[str, Any]) -> 
     import httpx
 
     url = f"{server['url']}/v1/completions"
-    r = httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 4, "n": 2},
+    r = httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 4, "n": 17},
                    trust_env=False, timeout=30)
-    assert r.status_code == 400 and "n > 1" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "parallel samples" in r.json()["error"]["message"]
     r = httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
                    headers={"X-KVBudget-Class": "nope"}, trust_env=False, timeout=30)
     assert r.status_code == 400 and "nope" in r.json()["error"]["message"]

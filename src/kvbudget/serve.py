@@ -252,6 +252,10 @@ def retry_after_header(retry_after: float) -> dict[str, str]:
     }
 
 
+#: the most parallel samples (``n``) one request may ask for: each is a budget request
+MAX_PARALLEL_SAMPLES = 16
+
+
 class BudgetedClient:
     """vLLM's ``EngineClient`` over a :class:`~kvbudget.vllm.BudgetedEngine`.
 
@@ -269,8 +273,9 @@ class BudgetedClient:
         return getattr(self._llm, name)
 
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
-        if n != 1:
-            raise InvalidInput("n", n, "1 (kvbudget serve does not support n > 1 yet)")
+        # n > 1: n budget requests sharing the prompt's blocks (BudgetedEngine's samples)
+        if n > MAX_PARALLEL_SAMPLES:
+            raise InvalidInput("n", n, f"at most {MAX_PARALLEL_SAMPLES} parallel samples")
         check = getattr(self._llm, "check_admission", None)
         if check is not None:
             check(n, request_id)  # vLLM's own queue caps: 503
