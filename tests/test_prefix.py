@@ -201,3 +201,24 @@ def test_reconcile_keeps_a_stopped_twin_whose_prefix_runs_on() -> None:
     out = s.reconcile(11, 6.0)
     assert [a.request_id for a in out if isinstance(a, ev.Released)] == ["b"]
     assert s.ledger.reserved == 12 and len(s.ledger.shared) == 10
+
+
+def test_a_lease_reports_the_engines_cache_hit() -> None:
+    """Through the shell: two twins hold leases; the second's engine found only 4 of the 10
+    blocks, so 6 copies are charged to it."""
+    import anyio
+
+    from kvbudget import Budget
+
+    async def main() -> tuple[int, int, int]:
+        budget = Budget(Capacity(64, BS), policy="reserve-max")
+        async with budget, budget.lease(twin()) as a, budget.lease(twin()) as b:  # (admitted)
+            before = budget.snapshot().reserved_blocks
+            b.note_cached(4 * BS)
+            after = budget.snapshot()
+            a.cancel()
+            b.cancel()
+            return before, after.reserved_blocks, after.totals.prefix_mismatches
+
+    before, after, mismatches = anyio.run(main)
+    assert (before, after, mismatches) == (14, 20, 1)

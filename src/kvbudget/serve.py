@@ -8,7 +8,7 @@ and nothing that decides:
   ``generate`` is called, so a caller the budget turns away is answered before any response
   starts), ``abort`` through the adapter, everything else (tokenizer, renderer, configs, health,
   LoRA, sleep, metrics logging, ...) straight to the wrapped ``AsyncLLM``. ``check_admission``
-  keeps vLLM's own queue caps (503) and refuses what the budget cannot carry yet (``n > 1``).
+  keeps vLLM's own queue caps (503) and refuses more than ``MAX_PARALLEL_SAMPLES`` samples.
 * the app additions: an ASGI middleware that reads the budget's request headers
   (``X-KVBudget-Class``/``-Tenant``/``-Task``/``-Durable``/``-Deadline``/``-On-Exhausted``, and
   llm-d's ``x-llm-d-inference-objective`` as the class and ``x-llm-d-inference-fairness-id`` as
