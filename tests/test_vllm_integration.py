@@ -597,61 +597,6 @@ def test_cold_burst_never_fails_an_admitted_stream(env: _Env) -> None:
     assert "capacity-exhausted" not in snap.rejections_by_reason
 
 
-def test_stalled_engine_raises_engine_stalled(env: _Env) -> None:
-    from kvbudget.errors import EngineStalled
-
-    pid = _core_pid(env.engine)
-
-    async def main() -> Any:
-        be = env.budgeted(stall_timeout=0.5)
-        async with be:
-            gen = be.generate(_prompt(9), _sp(400), "stall-1")
-            with pytest.raises(EngineStalled):
-                got = 0
-                async for out in gen:
-                    got += len(out.outputs[0].token_ids)
-                    if got == 5:
-                        os.kill(pid, signal.SIGSTOP)
-            held = be.snapshot()
-            os.kill(pid, signal.SIGCONT)
-            await _settle(be)
-            return held, be.snapshot()
-
-    try:
-        held, after = env.run(main())
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    assert held.reserved_blocks > 0  # nothing freed before the engine confirmed
-    assert after.reserved_blocks == 0 and after.totals.failed == 1
-
-
-def test_engine_death_fails_leases_and_frees_nothing(env: _Env) -> None:
-    from kvbudget.errors import EngineDead
-
-    pid = _core_pid(env.engine)
-
-    async def main() -> tuple[Any, bool]:
-        be = env.budgeted(confirm_timeout=0.5)
-        async with be:
-            with pytest.raises(EngineDead):
-                got = 0
-                async for out in be.generate(_prompt(10), _sp(400), "dead-1"):
-                    got += len(out.outputs[0].token_ids)
-                    if got == 5:
-                        os.kill(pid, signal.SIGKILL)
-            await asyncio.sleep(0.3)
-            snap = be.snapshot()
-            with pytest.raises(EngineDead):
-                async for _ in be.generate(_prompt(11), _sp(10), "dead-2"):
-                    pass
-            return snap, be.dead
-
-    snap, dead = env.run(main())
-    assert dead
-    # the dead engine's KV is gone with it: kvbudget frees nothing it did not confirm
-    assert snap.reserved_blocks > 0 and snap.totals.failed == 1
-
-
 def test_text_held_back_for_an_unfinished_character_goes_out_at_the_end(env: _Env) -> None:
     """The adapter decodes a stream itself after a prompt ending mid-character (and after a
     pause). An output whose last tokens are complete characters between two unfinished ones,
@@ -715,3 +660,59 @@ def test_stop_string_after_a_prompt_ending_mid_character(env: _Env) -> None:
     ids, text2, last = env.run(budgeted())
     assert last.outputs[0].finish_reason == "stop"
     assert ids == ref[0] and text2 == ref[1]
+
+
+def test_stalled_engine_raises_engine_stalled(env: _Env) -> None:
+    from kvbudget.errors import EngineStalled
+
+    pid = _core_pid(env.engine)
+
+    async def main() -> Any:
+        be = env.budgeted(stall_timeout=0.5)
+        async with be:
+            gen = be.generate(_prompt(9), _sp(400), "stall-1")
+            with pytest.raises(EngineStalled):
+                got = 0
+                async for out in gen:
+                    got += len(out.outputs[0].token_ids)
+                    if got == 5:
+                        os.kill(pid, signal.SIGSTOP)
+            held = be.snapshot()
+            os.kill(pid, signal.SIGCONT)
+            await _settle(be)
+            return held, be.snapshot()
+
+    try:
+        held, after = env.run(main())
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert held.reserved_blocks > 0  # nothing freed before the engine confirmed
+    assert after.reserved_blocks == 0 and after.totals.failed == 1
+
+
+def test_engine_death_fails_leases_and_frees_nothing(env: _Env) -> None:
+    from kvbudget.errors import EngineDead
+
+    pid = _core_pid(env.engine)
+
+    async def main() -> tuple[Any, bool]:
+        be = env.budgeted(confirm_timeout=0.5)
+        async with be:
+            with pytest.raises(EngineDead):
+                got = 0
+                async for out in be.generate(_prompt(10), _sp(400), "dead-1"):
+                    got += len(out.outputs[0].token_ids)
+                    if got == 5:
+                        os.kill(pid, signal.SIGKILL)
+            await asyncio.sleep(0.3)
+            snap = be.snapshot()
+            with pytest.raises(EngineDead):
+                async for _ in be.generate(_prompt(11), _sp(10), "dead-2"):
+                    pass
+            return snap, be.dead
+
+    snap, dead = env.run(main())
+    assert dead
+    # the dead engine's KV is gone with it: kvbudget frees nothing it did not confirm
+    assert snap.reserved_blocks > 0 and snap.totals.failed == 1
+
