@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import pytest
 
+import _kvb_helpers
 from kvbudget.core import events as ev
 from kvbudget.core.lifecycle import Request, State
 from kvbudget.core.model import Capacity, RequestSpec
@@ -39,13 +40,7 @@ NO_SLACK = SchedulerConfig(slack_tokens=0)
 def spec(
     prompt: int = 16, max_tokens: int = 64, cls: str = "interactive", **kw: Any
 ) -> RequestSpec:
-    return RequestSpec(
-        prompt_tokens=prompt,
-        max_tokens=max_tokens,
-        model_max_len=8192,
-        service_class=cls,
-        **kw,
-    )
+    return _kvb_helpers.spec(prompt, max_tokens, cls, **kw)
 
 
 def of(actions: list[ev.Action], kind: type[Any], rid: str | None = None) -> list[Any]:

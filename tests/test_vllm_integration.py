@@ -49,26 +49,11 @@ class _Env:
 @pytest.fixture(scope="module")
 def env() -> Iterator[_Env]:
     model_dir: pathlib.Path = vllm_support.tiny_model_dir()
-    from kvbudget.vllm import EngineStats
-
     args = vllm_support.make_engine_args(
         model_dir, num_blocks=64, block_size=32, max_num_seqs=64, max_model_len=1024
     )
-    loop = asyncio.new_event_loop()
-    stats = EngineStats()
-
-    async def start() -> Any:
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        return AsyncLLM.from_engine_args(args, stat_loggers=[stats.factory])
-
-    engine = loop.run_until_complete(start())
-    try:
+    with vllm_support.engine_in_own_loop(args) as (loop, engine, stats):
         yield _Env(loop, engine, stats)
-    finally:
-        engine.shutdown()
-        loop.run_until_complete(asyncio.sleep(0))
-        loop.close()
 
 
 def _sp(max_tokens: int | None, **kw: Any) -> Any:
@@ -402,6 +387,18 @@ def _random_prompts(env: _Env, n: int, seed: int) -> list[list[int]]:
     return prompts
 
 
+def _mid_character_prompt(env: _Env, seed: int) -> list[int]:
+    """A random prompt whose text ends on an unfinished character."""
+    import random
+
+    tok = env.engine.tokenizer
+    rng = random.Random(seed)
+    while True:
+        prompt = [rng.randrange(5, 1000) for _ in range(PAUSE_PROMPT)]
+        if tok.decode(prompt).endswith("\ufffd"):
+            return prompt
+
+
 def _vllm_text(env: _Env, prompt: list[int], out: list[int]) -> str:
     """The text vLLM's own incremental detokenizer gives ``out`` after ``prompt``."""
     return vllm_support.vllm_text(env.engine, prompt, out)
@@ -488,16 +485,10 @@ def test_sampled_text_matches_its_tokens_through_pauses(env: _Env) -> None:
 def test_prompt_ending_mid_character_does_not_come_back(env: _Env) -> None:
     """A prompt whose text ends on an unfinished character: vLLM's own detokenizer would send
     that prompt's text back with the first token; the adapter decodes the output itself."""
-    import random
-
     from tokenizers.decoders import DecodeStream
 
     tok = env.engine.tokenizer
-    rng = random.Random(6)
-    while True:
-        prompt = [rng.randrange(5, 1000) for _ in range(PAUSE_PROMPT)]
-        if tok.decode(prompt).endswith("\ufffd"):
-            break
+    prompt = _mid_character_prompt(env, seed=6)
 
     async def main() -> tuple[list[int], str]:
         be = env.budgeted(classes=_pressure_classes())
@@ -629,14 +620,7 @@ def test_stop_string_after_a_prompt_ending_mid_character(env: _Env) -> None:
     stop strings (vLLM would then never match them and run on past the stop): a prompt ending
     mid-character, a stop string taken from its greedy output, the same tokens, text and
     finish reason as under vLLM alone."""
-    import random
-
-    tok = env.engine.tokenizer
-    rng = random.Random(11)
-    while True:
-        prompt = [rng.randrange(5, 1000) for _ in range(PAUSE_PROMPT)]
-        if tok.decode(prompt).endswith("\ufffd"):
-            break
+    prompt = _mid_character_prompt(env, seed=11)
 
     async def bare(sp: Any, rid: str) -> tuple[list[int], str, Any]:
         return await _stream_all(env.engine.generate({"prompt_token_ids": prompt}, sp, rid))

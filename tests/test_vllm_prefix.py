@@ -53,8 +53,6 @@ class _Env:
 @pytest.fixture(scope="module")
 def env() -> Iterator[_Env]:
     model_dir: pathlib.Path = vllm_support.tiny_model_dir()
-    from kvbudget.vllm import EngineStats
-
     args = vllm_support.make_engine_args(
         model_dir,
         num_blocks=BLOCKS,
@@ -63,21 +61,8 @@ def env() -> Iterator[_Env]:
         max_model_len=2048,
         max_num_batched_tokens=512,
     )
-    loop = asyncio.new_event_loop()
-    stats = EngineStats()
-
-    async def start() -> Any:
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        return AsyncLLM.from_engine_args(args, stat_loggers=[stats.factory])
-
-    engine = loop.run_until_complete(start())
-    try:
+    with vllm_support.engine_in_own_loop(args) as (loop, engine, stats):
         yield _Env(loop, engine, stats)
-    finally:
-        engine.shutdown()
-        loop.run_until_complete(asyncio.sleep(0))
-        loop.close()
 
 
 def _sp(max_tokens: int, **kw: Any) -> Any:

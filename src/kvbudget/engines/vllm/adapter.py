@@ -722,6 +722,16 @@ class _RequestEngine:
             return False
 
 
+def _output_kind(params: Any) -> OutputKind:
+    """The output kind the caller's sampling params ask for."""
+    from vllm.sampling_params import RequestOutputKind
+
+    value = params.output_kind
+    if value == RequestOutputKind.DELTA:
+        return "delta"
+    return "final" if value == RequestOutputKind.FINAL_ONLY else "cumulative"
+
+
 def _is_client_error(exc: BaseException) -> bool:
     """Is ``exc`` one of vLLM's errors caused by the request (``VLLMClientError``: a 4xx)? By
     name, so that this module imports without vLLM."""
@@ -1254,7 +1264,6 @@ class BudgetedEngine:
         with ``n=1`` (seed ``seed + i`` when seeded), each its own budget request. They name
         the same prompt blocks, so the budget charges the prompt once and a grant per sample.
         All or none are admitted (``arrive_now``: an Overloaded child gives the others up)."""
-        from vllm.sampling_params import RequestOutputKind
 
         prompt, params, request_id = args[0], args[1], args[2]
         if not isinstance(request_id, str) or not request_id:
@@ -1263,14 +1272,7 @@ class BudgetedEngine:
             from kvbudget.errors import DuplicateRequest
 
             raise DuplicateRequest(request_id)
-        kind_value = params.output_kind
-        kind: OutputKind = (
-            "delta"
-            if kind_value == RequestOutputKind.DELTA
-            else "final"
-            if kind_value == RequestOutputKind.FINAL_ONLY
-            else "cumulative"
-        )
+        kind = _output_kind(params)
         children: list[tuple[str, Any]] = []
         for i in range(n):
             child = params.clone()
@@ -1372,7 +1374,6 @@ class BudgetedEngine:
     ) -> _Prepared:
         """Validate one request and set it up (synchronously): its spec, its engine and the
         budget's step iterator (which has arrived already with ``arrive_now``)."""
-        from vllm.sampling_params import RequestOutputKind
 
         if self._check_dead():
             raise EngineDead(request_id, "the vLLM engine is dead")
@@ -1400,14 +1401,7 @@ class BudgetedEngine:
         max_tokens = sampling_params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - n_prompt
-        kind_value = sampling_params.output_kind
-        kind: OutputKind = (
-            "delta"
-            if kind_value == RequestOutputKind.DELTA
-            else "final"
-            if kind_value == RequestOutputKind.FINAL_ONLY
-            else "cumulative"
-        )
+        kind = _output_kind(sampling_params)
         spec = RequestSpec(
             prompt_tokens=n_prompt,
             max_tokens=max_tokens,
