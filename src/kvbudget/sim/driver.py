@@ -67,6 +67,8 @@ What is measured (all from the driver's own records)
   that ended as completed (not cancelled, continued or failed) with fewer tokens than
   min(true length, hard max), or that the core released as completed without the engine having
   finished them.
+* ``peak_resident``: the most requests whose blocks the engine held at once (admitted, not
+  yet freed).
 * ``prefix_cached_tokens``: prompt tokens found in the prefix cache at first admissions;
   ``prefix_hit_rate``: those over the prompt tokens of first admissions (cached or prefilled).
 * Mean reserved and used KV: time-weighted over the makespan (first arrival to last release), as
@@ -285,6 +287,8 @@ class _Sim:
         self.own_blocks = 0
         self.prefix_prompt_tokens = 0
         self.prefix_cached_tokens = 0
+        self.resident = 0  # requests whose blocks the engine holds
+        self.peak_resident = 0
         # timed events: (time, seq, kind, rid); kinds: 0 confirm, 1 abandon
         self.timed: list[tuple[float, int, int, str]] = []
         self.tseq = 0
@@ -340,6 +344,9 @@ class _Sim:
         cache = self.cache
         self.own_blocks += -(-tokens // bs) - len(r.prefix)
         r.engine_held = True
+        self.resident += 1
+        if self.resident > self.peak_resident:
+            self.peak_resident = self.resident
         hits = cache.allocate(r.prefix) if cache is not None else 0
         if cache is not None and cache.cached:
             cache.trim(self.engine.capacity.blocks - self.engine_used_blocks)
@@ -350,6 +357,7 @@ class _Sim:
         if not r.engine_held:
             return
         r.engine_held = False
+        self.resident -= 1
         self.own_blocks -= -(-(r.prompt + r.generated) // self.block_size) - len(r.prefix)
         if self.cache is not None:
             self.cache.free(r.prefix)
@@ -848,6 +856,7 @@ class _Sim:
             makespan_s=makespan,
             steps=steps,
             wall_s=wall,
+            peak_resident=self.peak_resident,
             prefix_cached_tokens=self.prefix_cached_tokens,
             prefix_hit_rate=(
                 self.prefix_cached_tokens / self.prefix_prompt_tokens

@@ -81,6 +81,7 @@ class PolicyResult:
     percent of capacity. ``under_p50/p90/p99``: underestimation of the initial allowance in
     tokens (over the requests it fell short for), ``coverage``: share of requests it covered.
     ``itl_cdf``: (gap seconds, cumulative share) points; ``kv_series``: (t, reserved %, used %).
+    ``peak_resident``: the most requests whose blocks the engine held at once.
     ``prefix_cached_tokens``: prompt tokens the engine found in its prefix cache at first
     admissions; ``prefix_hit_rate``: those over the prompt tokens of first admissions.
     """
@@ -121,6 +122,7 @@ class PolicyResult:
     makespan_s: float
     steps: int
     wall_s: float
+    peak_resident: int = 0
     prefix_cached_tokens: int = 0
     prefix_hit_rate: float = 0.0
     itl_cdf: tuple[tuple[float, float], ...] = ()
@@ -151,6 +153,7 @@ class PolicyResult:
             "makespan_s",
             "steps",
             "wall_s",
+            "peak_resident",
         ):
             d[k] = getattr(self, k)
         return d
