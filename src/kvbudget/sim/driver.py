@@ -49,7 +49,8 @@ blocks, and at the first token it tells the scheduler how many tokens it found c
 (``Scheduler.note_cached``, as vLLM's ``num_cached_tokens``). The engine counts its own blocks
 (each request's own, plus each held hash once); after every step it evicts unreferenced cached
 blocks that no longer fit beside them. With ``check_invariants`` that count is checked against
-the ledger's ``used`` at every tick.
+the ledger's ``used`` at every tick and passed to ``Scheduler.reconcile`` (which must then find
+no drift); otherwise the driver does not reconcile: it confirms every stop itself.
 
 What is measured (all from the driver's own records)
 ----------------------------------------------------
@@ -373,6 +374,13 @@ class _Sim:
         if used + cached > self.engine.capacity.blocks:
             raise SimulationError(f"{used} held + {cached} cached blocks exceed the capacity")
 
+    def _reconcile(self, t: float) -> None:
+        """Reconcile the ledger with the engine's own usage, as a production shell does from the
+        engine's KV gauge (every stop is confirmed here, so it must find no drift)."""
+        self.apply(self.sched.reconcile(self.engine_used_blocks, t), t)
+        if self.sched.drift:
+            raise SimulationError(f"reconciliation found a drift of {self.sched.drift} blocks")
+
     # -- engine membership ----------------------------------------------------------------
 
     def _enter_decode(self, r: _Req) -> None:
@@ -633,6 +641,7 @@ class _Sim:
                     if self.check_invariants:
                         sched.check_invariants()
                         self._check_engine()
+                        self._reconcile(t)
                     next_tick = t + tick_s
 
         while self.done < n:
