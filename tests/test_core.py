@@ -18,7 +18,6 @@ from kvbudget.core.policy import (
     BasePolicy,
     Blocked,
     CalibratedPolicy,
-    ReserveMaxPolicy,
     make_policy,
 )
 from kvbudget.core.scheduler import Scheduler, SchedulerConfig
@@ -69,6 +68,14 @@ def raises_unchanged(s: Scheduler, kind: type[BaseException], fn: Callable[[], o
         fn()
     assert fingerprint(s) == before, "the failed call changed the scheduler"
     return info.value
+
+
+class ReserveMaxFront(BasePolicy):
+    """Reserve the hard max behind kvbudget's front (turn-away, timeouts, the latency-floor gate,
+    tenant stride): the tests of that front. (``ReserveMaxPolicy`` is TensorRT-LLM's rule and,
+    like every baseline, runs without kvbudget's front.)"""
+
+    name = "reserve-max-front"
 
 
 class Fixed(BasePolicy):
@@ -438,7 +445,7 @@ def test_latency_floor_counts_the_prefill_an_admission_brings(
                        latency_floor_s=0.1)
     cost = CostModel(StepTimeModel(fixed_s=0.05, per_seq_s=0.0, per_context_token_s=0.0,
                                    prefill_per_token_s=1e-4))
-    s = Scheduler(Capacity(1000, 16), classes=(cls,), policy=ReserveMaxPolicy(), cost=cost,
+    s = Scheduler(Capacity(1000, 16), classes=(cls,), policy=ReserveMaxFront(), cost=cost,
                   config=SchedulerConfig(prefill_chunk_tokens=chunk))
     assert of(s.arrive("a", spec(prompt=16, max_tokens=100, cls="interactive"), 0.0), ev.Admit)
     out = s.arrive("b", spec(prompt=prompt, max_tokens=100, cls="interactive"), 0.0)
@@ -569,7 +576,7 @@ def test_base_policy_never_continues_an_extend_request() -> None:
 
 
 def test_overload_rejects_with_retry_after_when_the_wait_exceeds_the_deadline() -> None:
-    s = Scheduler(Capacity(8, 4), policy=ReserveMaxPolicy())
+    s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
     # a release rate: one request of 2 blocks per second
     for k in range(3):
         s.arrive(f"w{k}", spec(prompt=4, max_tokens=4), float(k))
@@ -591,7 +598,7 @@ def test_overload_rejects_with_retry_after_when_the_wait_exceeds_the_deadline() 
 
 
 def test_queue_timeout_rejects_via_tick() -> None:
-    s = Scheduler(Capacity(4, 4), policy=ReserveMaxPolicy())
+    s = Scheduler(Capacity(4, 4), policy=ReserveMaxFront())
     s.arrive("hog", spec(prompt=4, max_tokens=12, cls="interactive"), 0.0)
     assert not of(s.arrive("w", spec(prompt=4, max_tokens=12, cls="interactive"), 0.0), ev.Admit)
     assert s.requests["w"].state is State.QUEUED
@@ -612,7 +619,7 @@ def test_queued_caller_turned_away_once_a_first_token_in_time_is_impossible() ->
                        ttft_slo_s=2.0, max_queue_delay_s=10.0)
     cost = CostModel(StepTimeModel(fixed_s=0.01, per_seq_s=0.0, per_context_token_s=0.0,
                                    prefill_per_token_s=1e-3))  # 1,500 prompt tokens: 1.5 s
-    s = Scheduler(Capacity(200, 16), classes=(cls,), policy=ReserveMaxPolicy(), cost=cost)
+    s = Scheduler(Capacity(200, 16), classes=(cls,), policy=ReserveMaxFront(), cost=cost)
     s.arrive("hog", spec(prompt=1600, max_tokens=100, cls="interactive"), 0.0)  # 107 blocks
     s.charge("hog", 1, 0.0)  # its prefill is done: nothing queued ahead of the next caller
     s.arrive("w", spec(prompt=1500, max_tokens=100, cls="interactive"), 0.0)  # 100 > 93 free
@@ -643,7 +650,7 @@ def test_queued_request_turned_away_once_it_could_no_longer_finish_by_its_deadli
     def scheduler(q: float | None) -> Scheduler:
         cost = CostModel(StepTimeModel(fixed_s=0.01, per_seq_s=0.0, per_context_token_s=0.0,
                                        prefill_per_token_s=1e-3))
-        s = Scheduler(Capacity(64, 16), policy=ReserveMaxPolicy(), cost=cost,
+        s = Scheduler(Capacity(64, 16), policy=ReserveMaxFront(), cost=cost,
                       config=SchedulerConfig(deadline_service_quantile=q))
         s.arrive("hog", spec(prompt=100, max_tokens=900), 0.0)  # 63 of 64 blocks
         s.charge("hog", 1, 0.0)
@@ -686,7 +693,7 @@ def test_caller_turned_away_when_its_first_token_would_come_late_behind_queued_p
     cost = CostModel(StepTimeModel(fixed_s=0.01, per_seq_s=0.0, per_context_token_s=0.0,
                                    prefill_per_token_s=1e-3))  # 1,000 prompt tokens: 1 s
     config = SchedulerConfig(turn_away_late_first_tokens=True)
-    s = Scheduler(Capacity(10_000, 16), classes=(cls,), policy=ReserveMaxPolicy(), cost=cost,
+    s = Scheduler(Capacity(10_000, 16), classes=(cls,), policy=ReserveMaxFront(), cost=cost,
                   config=config)
     assert of(s.arrive("a", spec(prompt=1000, max_tokens=10, cls="interactive"), 0.0), ev.Admit)
     assert s.prefill_backlog == 1000
@@ -703,7 +710,7 @@ def test_caller_turned_away_when_its_first_token_would_come_late_behind_queued_p
     assert of(s.arrive("d", spec(prompt=1000, max_tokens=10, cls="interactive"), 1.2), ev.Admit)
     assert s.snapshot().totals.rejected == 1
     # off, the caller is admitted behind the backlog; the backlog is still kept
-    s = Scheduler(Capacity(10_000, 16), classes=(cls,), policy=ReserveMaxPolicy(), cost=cost,
+    s = Scheduler(Capacity(10_000, 16), classes=(cls,), policy=ReserveMaxFront(), cost=cost,
                   config=SchedulerConfig(turn_away_late_first_tokens=False))
     for rid in ("a", "b"):
         assert of(s.arrive(rid, spec(prompt=1000, max_tokens=10, cls="interactive"), 0.0),
@@ -722,7 +729,7 @@ def test_late_first_tokens_are_turned_away_by_default_only_once_they_are_common(
                        ttft_slo_s=2.0, max_queue_delay_s=10.0)
     cost = CostModel(StepTimeModel(fixed_s=0.01, per_seq_s=0.0, per_context_token_s=0.0,
                                    prefill_per_token_s=1e-3))
-    s = Scheduler(Capacity(100_000, 16), classes=(cls,), policy=ReserveMaxPolicy(), cost=cost)
+    s = Scheduler(Capacity(100_000, 16), classes=(cls,), policy=ReserveMaxFront(), cost=cost)
     assert s.config.turn_away_late_first_tokens is None
 
     def first_tokens(n: int, late: bool, t: float) -> None:
@@ -919,7 +926,7 @@ def test_preempted_then_cancelled_keeps_its_first_confirmation_clock() -> None:
 def test_weighted_tenant_fairness_under_saturation() -> None:
     s = Scheduler(
         Capacity(4, 4),
-        policy=ReserveMaxPolicy(),
+        policy=ReserveMaxFront(),
         config=SchedulerConfig(tenant_weights={"a": 10.0, "b": 1.0}),
     )
     n = 2000

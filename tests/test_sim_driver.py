@@ -91,7 +91,10 @@ def test_checked_invariants_hold_during_a_run() -> None:
 def test_oracle_beats_reserve_max_when_overloaded() -> None:
     reqs, sc = _requests(n=200, rate=8.0)
     results = run_policies(reqs, sc, SMALL_ENGINE, ("reserve-max", "oracle"))
-    assert results["reserve-max"].rejected > 0  # it is overloaded
+    # it is overloaded, and like TensorRT-LLM it turns nobody away: its callers wait in its queue
+    # until they give up
+    assert results["reserve-max"].rejected == 0
+    assert results["reserve-max"].good < len(reqs)
     assert results["oracle"].goodput_rps >= results["reserve-max"].goodput_rps
     assert results["reserve-max"].kv_used_mean < results["oracle"].kv_used_mean
 

@@ -404,11 +404,7 @@ def _random_prompts(env: _Env, n: int, seed: int) -> list[list[int]]:
 
 def _vllm_text(env: _Env, prompt: list[int], out: list[int]) -> str:
     """The text vLLM's own incremental detokenizer gives ``out`` after ``prompt``."""
-    from tokenizers.decoders import DecodeStream
-
-    raw = env.engine.tokenizer._tokenizer
-    stream = DecodeStream(ids=prompt, skip_special_tokens=True)
-    return "".join(stream.step(raw, t) or "" for t in out)
+    return vllm_support.vllm_text(env.engine, prompt, out)
 
 
 def _pressure_classes() -> Any:

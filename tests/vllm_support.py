@@ -149,3 +149,23 @@ async def running_engine(
         yield engine
     finally:
         engine.shutdown()
+
+
+def vllm_text(engine: Any, prompt: Sequence[int], out: Sequence[int]) -> str:
+    """The text vLLM's own incremental detokenizer gives ``out`` after ``prompt`` (special
+    tokens skipped, an unfinished character at the end held back)."""
+    from tokenizers.decoders import DecodeStream
+
+    raw = engine.tokenizer._tokenizer
+    stream = DecodeStream(ids=list(prompt), skip_special_tokens=True)
+    return "".join(stream.step(raw, t) or "" for t in out)
+
+
+def expected_text(engine: Any, prompt: Sequence[int], out: Sequence[int]) -> str:
+    """The text a kvbudget stream of ``out`` after ``prompt`` must carry: what vLLM's own
+    detokenizer gives, except after a prompt that decodes to an unfinished character, where the
+    output's tokens are decoded alone (vLLM would send the prompt's text back with the first
+    token; the adapter does not)."""
+    if str(engine.tokenizer.decode(list(prompt)[-8:])).endswith("\ufffd"):
+        return vllm_text(engine, [], out)
+    return vllm_text(engine, prompt, out)

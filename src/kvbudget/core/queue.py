@@ -5,6 +5,10 @@ Strict class priority between the queues is the scheduler's (it walks :attr:`Que
 here is the order within a class: the tenant with the smallest pass goes next, and each
 admission advances its pass by ``1 / weight``. An idle tenant does not bank credit. A request
 put back at the front (a checkpoint of a policy that requeues in front) goes before all others.
+
+Class queues and tenant stride are kvbudget's front (``BasePolicy.front``). An engine's own queue
+has neither: ``Queues(by_tenant=False)`` keeps one first-come-first-served line per class, and
+``by_class=False`` one line that every class shares (vLLM's FCFS waiting queue).
 """
 
 from __future__ import annotations
@@ -29,20 +33,27 @@ class TenantQueue:
 
 
 class ClassQueue:
-    """Weighted stride scheduling across tenants inside one service class."""
+    """Weighted stride scheduling across tenants inside one service class (``by_tenant``), or
+    one first-come-first-served line (not ``by_tenant``)."""
 
-    __slots__ = ("count", "tenants", "vtime", "want_blocks")
+    __slots__ = ("by_tenant", "count", "tenants", "vtime", "want_blocks")
 
-    def __init__(self) -> None:
+    def __init__(self, by_tenant: bool = True) -> None:
         self.tenants: dict[str, TenantQueue] = {}
         self.count = 0
         self.want_blocks = 0
         self.vtime = 0.0
+        self.by_tenant = by_tenant
+
+    def _tenant(self, req: Request) -> str:
+        # without tenant fairness every tenant stands in the same line
+        return req.spec.tenant if self.by_tenant else ""
 
     def push(self, req: Request, weight: float, front: bool = False) -> None:
-        tq = self.tenants.get(req.spec.tenant)
+        key = self._tenant(req)
+        tq = self.tenants.get(key)
         if tq is None:
-            tq = self.tenants[req.spec.tenant] = TenantQueue(weight)
+            tq = self.tenants[key] = TenantQueue(weight)
         if not tq.items:
             # an idle tenant does not bank credit while it sends nothing
             tq.pass_ = max(tq.pass_, self.vtime)
@@ -65,7 +76,7 @@ class ClassQueue:
         return best.items[0] if best is not None else None
 
     def pop(self, req: Request) -> None:
-        tq = self.tenants[req.spec.tenant]
+        tq = self.tenants[self._tenant(req)]
         if tq.items and tq.items[0] is req:
             tq.items.popleft()
             if not req.requeue_front:
@@ -85,18 +96,34 @@ class ClassQueue:
 
 class Queues:
     """Every class's queue, in class-priority order, and a lower bound on each class's earliest
-    expiry (it keeps :meth:`expired` from walking every queue on each tick)."""
+    expiry (it keeps :meth:`expired` from walking every queue on each tick).
 
-    __slots__ = ("by_class", "expiry_floor", "order", "tenant_weights")
+    ``by_class=False``: every class shares one queue, listed in :attr:`by_class` under each
+    class's name and in :attr:`order` once (under the most important class). ``by_tenant=False``:
+    no tenant stride, first come first served.
+    """
+
+    __slots__ = ("_floor_of", "by_class", "expiry_floor", "order", "tenant_weights")
 
     def __init__(
-        self, classes: Mapping[str, ServiceClass], tenant_weights: Mapping[str, float]
+        self,
+        classes: Mapping[str, ServiceClass],
+        tenant_weights: Mapping[str, float],
+        *,
+        by_class: bool = True,
+        by_tenant: bool = True,
     ) -> None:
-        self.by_class: dict[str, ClassQueue] = {name: ClassQueue() for name in classes}
         #: classes by priority (lower first), then name
-        self.order: list[ServiceClass] = sorted(
-            classes.values(), key=lambda c: (c.priority, c.name)
-        )
+        order = sorted(classes.values(), key=lambda c: (c.priority, c.name))
+        if by_class:
+            self.by_class: dict[str, ClassQueue] = {n: ClassQueue(by_tenant) for n in classes}
+            self.order: list[ServiceClass] = order
+        else:
+            shared = ClassQueue(by_tenant)
+            self.by_class = dict.fromkeys(classes, shared)
+            self.order = order[:1]
+        #: each class's expiry floor is kept under the name its queue is walked by
+        self._floor_of = {n: (n if by_class else self.order[0].name) for n in classes}
         self.expiry_floor: dict[str, float] = dict.fromkeys(classes, math.inf)
         self.tenant_weights = tenant_weights
 
@@ -110,14 +137,15 @@ class Queues:
 
     def note_expiry(self, req: Request) -> None:
         """``req`` is queued with ``req.expiry`` set (again): keep its class's expiry floor."""
-        if req.expiry < self.expiry_floor[req.cls.name]:
-            self.expiry_floor[req.cls.name] = req.expiry
+        name = self._floor_of[req.cls.name]
+        if req.expiry < self.expiry_floor[name]:
+            self.expiry_floor[name] = req.expiry
 
     def remove(self, req: Request) -> None:
         self.by_class[req.cls.name].pop(req)
 
     def count(self) -> int:
-        return sum(q.count for q in self.by_class.values())
+        return sum(self.by_class[c.name].count for c in self.order)
 
     def blocks_ahead(self, cls: ServiceClass) -> int:
         """Blocks wanted by everything queued in ``cls`` and in the classes served before it."""

@@ -26,6 +26,11 @@ event: :meth:`arrive`, :meth:`charge` (the O(1) per-token path), :meth:`boundary
    runs or is being released, the most important grows from what is free, else the least
    important that can resume is checkpointed (no silent truncation, no deadlock).
 
+kvbudget's front -- arrivals turned away when the queue ahead cannot be admitted within their
+bound, queue timeouts, the latency-floor gate, class priority and tenant stride -- belongs to
+kvbudget's own policies (``BasePolicy.front``). A baseline runs as its engine does: one
+first-come-first-served queue, no rejection for overload (:attr:`Scheduler.front`).
+
 Where the rules live: states, transitions and each outcome's bookkeeping in
 :mod:`~kvbudget.core.lifecycle`; blocks and pools in :mod:`~kvbudget.core.ledger`; waits,
 expiries, retry-after and first-token lateness in :mod:`~kvbudget.core.forecast` (arrivals are
@@ -107,9 +112,22 @@ class Scheduler:
         self.lengths = lengths if lengths is not None else LengthModel()
         self.cost = cost if cost is not None else CostModel()
         self.policy: Policy = resolve_policy(policy)
+        #: kvbudget's own front (``BasePolicy.front``): overload turn-away, queue timeouts, the
+        #: latency-floor gate on admissions and the class/tenant queue order. A baseline runs
+        #: without it, as its engine does: one first-come-first-served queue (by class only with
+        #: ``class_priority``) and no rejection but "too-large" and the policy's own refusals.
+        self.front = bool(getattr(self.policy, "front", True))
+        #: the queue, growth and progress orders honour class priority
+        self.class_order = self.front or bool(getattr(self.policy, "class_priority", False))
+        self._arrival_refusal = getattr(self.policy, "arrival_refusal", None)
         self.requests: dict[str, Request] = {}
         self._released: OrderedDict[str, None] = OrderedDict()
-        self.queues = Queues(self.classes, self.config.tenant_weights)
+        self.queues = Queues(
+            self.classes,
+            self.config.tenant_weights,
+            by_class=self.class_order,
+            by_tenant=self.front,
+        )
         self._queues = self.queues.by_class  # (the old name, which tests read)
         self.forecast = Forecast(self, self.queues, self.config)
         self._waiting_ext: dict[str, Request] = {}
@@ -213,6 +231,16 @@ class Scheduler:
         self.forecast.note_arrival(req, now)
         if req.want_blocks > self.ledger.room(cls.protected):
             return [self._reject_new(req, self.config.max_retry_after_s, "too-large")]
+        refusal = self._arrival_refusal(req) if self._arrival_refusal is not None else None
+        if refusal is not None:
+            if not isinstance(refusal, str) or not refusal:
+                raise PolicyViolation(self.policy.name, f"arrival refusal {refusal!r}: a reason")
+            return [self._reject_new(req, self.forecast.retry_after(req), refusal)]
+        if not self.front:
+            # the engine's own queue: every caller waits its turn (its expiry stays infinite)
+            self.requests[request_id] = req
+            self.queues.push(req)
+            return self._pump(now)
         forecast = self.forecast
         queued = self.queues.by_class[cls.name].count
         wait = forecast.estimated_wait(req)
@@ -538,7 +566,8 @@ class Scheduler:
                 # it would block its class until its deadline. End it explicitly.
                 actions.append(self._expire(req, self.config.max_retry_after_s, "too-large"))
             else:
-                req.expiry = self.forecast.queue_expiry(req)
+                # (without the front a checkpoint, like any caller, never times out queued)
+                req.expiry = self.forecast.queue_expiry(req) if self.front else math.inf
                 self.queues.push(req, front=req.requeue_front)
         else:
             outcome = lifecycle.count_release(req)
@@ -602,9 +631,11 @@ class Scheduler:
     def tick(self, now: float) -> list[ev.Action]:
         """Time passed: turn away queued callers past their bound, count unconfirmed stops."""
         now = self._time(now)
-        actions: list[ev.Action] = [
-            self._turn_away(req, "queue-timeout") for req in self.queues.expired(now)
-        ]
+        actions: list[ev.Action] = (
+            [self._turn_away(req, "queue-timeout") for req in self.queues.expired(now)]
+            if self.front
+            else []
+        )
         timeout = self.config.confirm_timeout_s
         for req in list(self._stopping.values()):
             if (
@@ -699,9 +730,14 @@ class Scheduler:
         return actions
 
     def _serve_extensions(self, now: float, actions: list[ev.Action]) -> None:
+        by_class = self.class_order
         waiting = sorted(
             self._waiting_ext.values(),
-            key=lambda r: (r.cls.priority, r.state is not State.EXTENDING, r.seq),
+            key=lambda r: (
+                r.cls.priority if by_class else 0,
+                r.state is not State.EXTENDING,
+                r.seq,
+            ),
         )
         for req in waiting:
             if not req.ext_pending:
@@ -865,7 +901,7 @@ class Scheduler:
                 blocks = self.ledger.admission_blocks(req, boundary)
                 if not self._may_admit(req, blocks, allowance, now, actions):
                     return
-                if self.forecast.first_token_late(req, now):
+                if self.front and self.forecast.first_token_late(req, now):
                     # behind the prefill already queued in the engine its first token would be
                     # late: a fast "overloaded" now, and its prefill is not taken from callers
                     # who can still be served in time
@@ -891,6 +927,7 @@ class Scheduler:
             return False
         gates = (self.policy.admit(req, blocks) or (self.active == 0 and self.releasing == 0)) and (
             self.active == 0
+            or not self.front  # (the latency-floor gate is kvbudget's front: no engine has it)
             or self._within_floor(
                 1, req.prompt + req.generated + allowance, self.ledger.prefill_tokens(req)
             )
@@ -997,9 +1034,12 @@ class Scheduler:
         for req in self.live.values():
             if req.state is not State.EXTENDING:
                 return
+        by_class = self.class_order
         stuck = sorted(
             (r for r in self._waiting_ext.values() if r.state is State.EXTENDING),
-            key=lambda r: (r.cls.priority, not r.cls.protected, r.seq),
+            key=lambda r: (
+                (r.cls.priority, not r.cls.protected, r.seq) if by_class else (0, False, r.seq)
+            ),
         )
         if not stuck:
             return

@@ -33,12 +33,14 @@ Actions are carried out as an engine would: ``Admit`` allocates the request's bl
 the prefill (prompt, plus the generated tokens of a resumed checkpoint: the recompute cost, less
 the leading prompt blocks found in the prefix cache); ``Extend`` moves the boundary and
 un-stops the request; ``Deny`` is counted; ``Preempt`` stops the request at once, its blocks
-confirmed after ``abort_latency_s``; ``Abort`` (a cancelled or failed request) keeps decoding --
-wasted tokens -- until its abort is confirmed ``abort_latency_s`` later; ``Continue`` ends the
-request explicitly (counted as continued), confirmed after ``abort_latency_s``; ``Reject`` ends a
-request that was never admitted as overloaded (a checkpoint that expired as failed); ``Released``
-ends it for good, or puts a preempted request back in the queue to resume. A request that
-finished by itself is confirmed at the start of the next iteration.
+confirmed after ``abort_latency_s`` (at once, at the same instant, for a policy whose engine
+preempts inside its own step: ``preempts_in_engine``); ``Abort`` (a cancelled or failed
+request) keeps decoding -- wasted tokens -- until its abort is confirmed ``abort_latency_s``
+later; ``Continue`` ends the request explicitly (counted as continued), confirmed after
+``abort_latency_s``; ``Reject`` ends a request that was never admitted as overloaded (a
+checkpoint that expired as failed); ``Released`` ends it for good, or puts a preempted request back
+in the queue to resume. A request that finished by itself is confirmed at the start of the next
+iteration.
 
 Prefix caching (``EngineModel.prefix_caching``, :mod:`kvbudget.sim.prefix`). Each request's
 spec gets ``prefix_blocks`` at the engine's block size when it arrives (from the trace's
@@ -249,6 +251,12 @@ class _Sim:
         self.truth = {r.request_id: r.true_output_tokens for r in requests}
         pol = build_policy(policy, self.truth, seed) if isinstance(policy, str) else policy
         self.policy_name = pol.name
+        # an engine that preempts inside its own step frees the victim's blocks at once (vLLM's
+        # _preempt_request, SGLang's retract_decode); kvbudget's own policies preempt by an
+        # abort through the engine's API, which lands abort_latency_s later
+        self.preempt_latency_s = (
+            0.0 if getattr(pol, "preempts_in_engine", False) else engine.abort_latency_s
+        )
         self.sched = Scheduler(
             engine.capacity,
             classes=(interactive, batch),
@@ -461,7 +469,7 @@ class _Sim:
                 self.preempt_reasons[why] = self.preempt_reasons.get(why, 0) + 1
                 self._stop_engine(r)
                 r.phase = _HELD
-                self._at(t + self.engine.abort_latency_s, 0, r.rid)
+                self._at(t + self.preempt_latency_s, 0, r.rid)
             elif kind is ev.Abort:
                 assert isinstance(a, ev.Abort)
                 if r.end is None:

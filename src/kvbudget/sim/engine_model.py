@@ -21,8 +21,10 @@ An iteration-level batching engine in the style of vLLM v1:
   scheduler as ``SchedulerConfig.max_active``.
 * **Aborts and preemptions** take ``abort_latency_s`` to be confirmed: an aborted (abandoned)
   request keeps decoding until then, and those tokens are wasted; a preempted request stops at
-  once but its blocks come back only after the same latency. A request that finished by itself is
-  confirmed by the next iteration.
+  once but its blocks come back only after the same latency -- unless the policy is an engine's
+  own that preempts inside its scheduler step (``preempts_in_engine``: vLLM, SGLang, LightLLM),
+  whose victim's blocks come back at once. A request that finished by itself is confirmed by the
+  next iteration.
 * **Prefix caching** ``prefix_caching`` (on by default, as in vLLM): a prompt block that several
   live requests share (same chained hash) is stored once; when its last holder is freed it stays
   cached, unreferenced, until the space is needed (least recently used first); a newcomer's

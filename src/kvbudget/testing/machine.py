@@ -766,6 +766,8 @@ class BudgetStateMachine(RuleBasedStateMachine):
         for sh in self.shadows.values():
             if sh.phase == "stopped" and self.now - sh.stop_clock > self.confirm_timeout_s:
                 sh.unconfirmed = True
+        if not s.front:
+            return  # an engine's own queue keeps its callers however long they wait
         # queued callers past their bound were turned away
         for sh in self.shadows.values():
             if sh.phase == "queued":

@@ -31,8 +31,11 @@ class Blocked(enum.Enum):
 class Policy(Protocol):
     """The decisions of a budget policy. See :class:`BasePolicy` for the defaults.
 
-    Optional: ``acts_ahead(req) -> bool`` (:meth:`BasePolicy.acts_ahead`); the scheduler calls it
-    when a policy has it.
+    Optional: ``acts_ahead(req) -> bool`` (:meth:`BasePolicy.acts_ahead`) and
+    ``arrival_refusal(req) -> str | None`` (:meth:`BasePolicy.arrival_refusal`), which the
+    scheduler calls when a policy has them; and the declared attributes ``front``,
+    ``class_priority`` and ``preempts_in_engine`` (:class:`BasePolicy`), read with their
+    defaults when a policy lacks them.
     """
 
     @property
@@ -64,6 +67,23 @@ class BasePolicy:
     name: ClassVar[str] = "base"
     requeue_front: bool = True
     preempt_for_admission: bool = False
+    #: kvbudget's own front: turn arrivals away when the queue ahead cannot be served within
+    #: their bound (429 "deadline", "queue-full"), time queued callers out ("queue-timeout"),
+    #: hold an admission that would slow an active stream past its latency floor, and order the
+    #: queue by class priority then weighted tenant stride. It is kvbudget's, so only its own
+    #: policies have it; a baseline (False) runs the engine's own queue: first come first served
+    #: (by class only with ``class_priority``), never an overload rejection ("too-large", a
+    #: request that can never fit, is still refused: that is correctness, not overload).
+    front: ClassVar[bool] = True
+    #: without the front: order the queue (and growth) by class priority, first come first
+    #: served within a class (vLLM's ``--scheduling-policy priority``). With the front, class
+    #: priority always holds.
+    class_priority: bool = False
+    #: the engine preempts inside its own step and frees the victim's blocks at once (vLLM,
+    #: SGLang, LightLLM); False: a preemption is an abort through the engine's API, whose blocks
+    #: come back only once the engine confirms it (kvbudget's own policies). The simulator reads
+    #: it (:mod:`kvbudget.sim.driver`).
+    preempts_in_engine: ClassVar[bool] = False
     _s: SchedulerView
 
     def bind(self, scheduler: SchedulerView) -> None:
@@ -115,6 +135,12 @@ class BasePolicy:
 
     def on_step(self) -> None:
         pass
+
+    def arrival_refusal(self, req: Request) -> str | None:
+        """Refuse a newcomer at arrival, with this reason (a 429/503 ``Reject``), or None. The
+        engine's own admission limits (vLLM's queue caps) live here. (Optional in
+        :class:`Policy`.)"""
+        return None
 
     def acts_ahead(self, req: Request) -> bool:
         """Decide for ``req`` when an extension asked ahead of its boundary is refused, rather

@@ -1078,13 +1078,23 @@ class BudgetedEngine:
         )
 
     def _prefix_blocks(
-        self, prompt: Any, prompt_ids: list[int], engine_kwargs: Mapping[str, Any]
+        self,
+        prompt: Any,
+        prompt_ids: list[int],
+        sampling_params: Any,
+        engine_kwargs: Mapping[str, Any],
     ) -> tuple[int, ...]:
         """The prompt's full-block hashes as vLLM's prefix cache keys them: its tokens (all but
         the last, which vLLM always computes), and what else it keys a block on: the LoRA
-        adapter and the prompt's ``cache_salt``. Nothing when the engine caches no prefixes or
-        the prompt carries more than tokens (multimodal inputs are keyed on their contents)."""
+        adapter and the prompt's ``cache_salt``. Nothing when the engine caches no prefixes,
+        when the request does not read the cache (``skip_reading_prefix_cache``, which vLLM sets
+        for prompt logprobs: it computes every prompt block itself), or when the prompt carries
+        more than tokens (multimodal inputs are keyed on their contents)."""
         if not self.prefix_caching or not _tokens_only(prompt):
+            return ()
+        if getattr(sampling_params, "skip_reading_prefix_cache", None) or (
+            getattr(sampling_params, "prompt_logprobs", None) is not None
+        ):
             return ()
         lora = engine_kwargs.get("lora_request")
         lora_key = (
@@ -1281,7 +1291,7 @@ class BudgetedEngine:
             on_exhausted=on_exhausted,
             deadline=deadline,
             resumable=not blockers,
-            prefix_blocks=self._prefix_blocks(prompt, prompt_ids, engine_kwargs),
+            prefix_blocks=self._prefix_blocks(prompt, prompt_ids, sampling_params, engine_kwargs),
         )
         if blockers:
             log.debug("vllm_full_grant", request_id=request_id, because=blockers)
