@@ -262,3 +262,14 @@ def test_cli_reads_prefixes_from_a_mooncake_trace(tmp_path: Path) -> None:
         # id 0 (32 blocks) is shared by all, ids 1..3 by a third each: most of 1024 tokens
         assert 0.5 < figures["prefix_hit_rate"] < 1.0
         assert figures["completed"] == 30
+
+
+def test_without_prefix_data_the_cache_changes_nothing() -> None:
+    wl = synthetic_workload(seed=4, n_requests=120, rate_rps=10.0)
+    reqs = apply_scenario(wl, Scenario())
+    for policy in ("calibrated", "reserve-current"):
+        on = simulate(reqs, Scenario(), EngineModel(capacity=Capacity(1200, 16)), policy)
+        off = simulate(reqs, Scenario(), EngineModel(capacity=Capacity(1200, 16),
+                                                     prefix_caching=False), policy)
+        assert attrs.evolve(on, wall_s=0.0) == attrs.evolve(off, wall_s=0.0), policy
+        assert on.prefix_cached_tokens == 0
