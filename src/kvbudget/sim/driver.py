@@ -29,8 +29,9 @@ disconnect), release confirmations (``Scheduler.confirm_release``) and a ``Tick`
    ``boundary_reached`` and *stops* -- it generates nothing until an ``Extend`` comes back, and the
    wait shows in its inter-token gaps. ``observe_step`` reports the decode part of the step.
 
-Actions are carried out as an engine would: ``Admit`` queues the prefill (prompt, plus the
-generated tokens of a resumed checkpoint: the recompute cost); ``Extend`` moves the boundary and
+Actions are carried out as an engine would: ``Admit`` allocates the request's blocks and queues
+the prefill (prompt, plus the generated tokens of a resumed checkpoint: the recompute cost, less
+the leading prompt blocks found in the prefix cache); ``Extend`` moves the boundary and
 un-stops the request; ``Deny`` is counted; ``Preempt`` stops the request at once, its blocks
 confirmed after ``abort_latency_s`` (at once, at the same instant, for a policy whose engine
 preempts inside its own step: ``preempts_in_engine``); ``Abort`` (a cancelled or failed
@@ -40,6 +41,18 @@ later; ``Continue`` ends the request explicitly (counted as continued), confirme
 checkpoint that expired as failed); ``Released`` ends it for good, or puts a preempted request back
 in the queue to resume. A request that finished by itself is confirmed at the start of the next
 iteration.
+
+Prefix caching (``EngineModel.prefix_caching``, :mod:`kvbudget.sim.prefix`). Each request's
+spec gets ``prefix_blocks`` at the engine's block size when it arrives (from the trace's
+``hash_ids`` or the scenario's system prompt), so the ledger charges shared blocks once. The
+engine registers a request's prompt blocks in its :class:`~kvbudget.sim.prefix.PrefixCache` at
+``Admit`` and frees them when the stop is confirmed; its prefill skips the leading cached
+blocks, and at the first token it tells the scheduler how many tokens it found cached
+(``Scheduler.note_cached``, as vLLM's ``num_cached_tokens``). The engine counts its own blocks
+(each request's own, plus each held hash once); after every step it evicts unreferenced cached
+blocks that no longer fit beside them. With ``check_invariants`` that count is checked against
+the ledger's ``used`` at every tick and passed to ``Scheduler.reconcile`` (which must then find
+no drift); otherwise the driver does not reconcile: it confirms every stop itself.
 
 What is measured (all from the driver's own records)
 ----------------------------------------------------
@@ -57,6 +70,10 @@ What is measured (all from the driver's own records)
   that ended as completed (not cancelled, continued or failed) with fewer tokens than
   min(true length, hard max), or that the core released as completed without the engine having
   finished them.
+* ``peak_resident``: the most requests whose blocks the engine held at once (admitted, not
+  yet freed).
+* ``prefix_cached_tokens``: prompt tokens found in the prefix cache at first admissions;
+  ``prefix_hit_rate``: those over the prompt tokens of first admissions (cached or prefilled).
 * Mean reserved and used KV: time-weighted over the makespan (first arrival to last release), as
   percent of capacity. Wasted decoded tokens: tokens decoded for requests that did not complete.
 
@@ -79,11 +96,13 @@ from kvbudget.core import events as ev
 from kvbudget.core.config import SchedulerConfig
 from kvbudget.core.cost import CostModel
 from kvbudget.core.lengths import LengthModel
+from kvbudget.core.model import RequestSpec
 from kvbudget.core.policy import OraclePolicy, Policy, make_policy
 from kvbudget.core.scheduler import Scheduler
 from kvbudget.errors import HardLimitExceeded, InvalidInput
 from kvbudget.errors import SimulationError as SimulationError
 from kvbudget.sim.engine_model import EngineModel
+from kvbudget.sim.prefix import PrefixCache, system_prompt_blocks, trace_prefix_blocks
 from kvbudget.sim.report import PolicyResult, with_oracle_ratio
 from kvbudget.sim.scenario import Scenario, SimRequest
 
@@ -109,9 +128,11 @@ class _Req:
         "admitted_at",
         "arrival",
         "boundary",
+        "cached_tokens",
         "ctx_in",
         "deadline",
         "end",
+        "engine_held",
         "finished_at",
         "first_token_at",
         "floor",
@@ -122,6 +143,7 @@ class _Req:
         "last_token_at",
         "phase",
         "prefill_left",
+        "prefix",
         "prompt",
         "rid",
         "sim",
@@ -154,6 +176,9 @@ class _Req:
         self.stalls = 0
         self.prefill_left = 0
         self.ctx_in = False  # counted in the decode batch's context
+        self.prefix: tuple[int, ...] = ()  # prompt block hashes (set at arrival)
+        self.engine_held = False  # the engine holds blocks for it (admitted, not yet freed)
+        self.cached_tokens = 0  # prompt tokens found cached at its latest admission
         self.abandon_at = (
             None
             if sim.abandon_after_s is None or sim.spec.durable
@@ -264,6 +289,15 @@ class _Sim:
         self.decoding: dict[str, _Req] = {}
         self.prefill_q: deque[_Req] = deque()
         self.ctx_total = 0
+        self.block_size = engine.capacity.block_size
+        self.cache: PrefixCache | None = PrefixCache() if engine.prefix_caching else None
+        # blocks the engine holds for requests beyond their hashed prompt blocks (those are
+        # counted once each, in the cache's ``held``)
+        self.own_blocks = 0
+        self.prefix_prompt_tokens = 0
+        self.prefix_cached_tokens = 0
+        self.resident = 0  # requests whose blocks the engine holds
+        self.peak_resident = 0
         # timed events: (time, seq, kind, rid); kinds: 0 confirm, 1 abandon
         self.timed: list[tuple[float, int, int, str]] = []
         self.tseq = 0
@@ -285,6 +319,75 @@ class _Sim:
     def _at(self, t: float, kind: int, rid: str) -> None:
         self.tseq += 1
         heapq.heappush(self.timed, (t, self.tseq, kind, rid))
+
+    # -- the engine's blocks and prefix cache ---------------------------------------------
+
+    def _spec(self, r: _Req) -> RequestSpec:
+        """The spec the application would send: with the prompt's block hashes at the engine's
+        block size where the engine caches prefixes (none where it does not)."""
+        sim = r.sim
+        spec = sim.spec
+        if self.cache is None:
+            return attrs.evolve(spec, prefix_blocks=()) if spec.prefix_blocks else spec
+        if spec.prefix_blocks:
+            return spec  # the caller's own hashes
+        if sim.hash_ids:
+            blocks = trace_prefix_blocks(sim.hash_ids, sim.prompt_tokens, self.block_size)
+        elif sim.system_prompt is not None:
+            blocks = system_prompt_blocks(
+                sim.system_prompt, sim.system_prompt_tokens, sim.prompt_tokens, self.block_size
+            )
+        else:
+            return spec
+        return attrs.evolve(spec, prefix_blocks=blocks) if blocks else spec
+
+    @property
+    def engine_used_blocks(self) -> int:
+        """The blocks the engine holds: each request's own, each shared prompt block once."""
+        return self.own_blocks + (len(self.cache.held) if self.cache is not None else 0)
+
+    def _allocate(self, r: _Req, tokens: int) -> int:
+        """The engine takes blocks for ``r``'s ``tokens`` of context; returns the prompt tokens
+        it found cached (the leading blocks its prefill skips)."""
+        bs = self.block_size
+        cache = self.cache
+        self.own_blocks += -(-tokens // bs) - len(r.prefix)
+        r.engine_held = True
+        self.resident += 1
+        if self.resident > self.peak_resident:
+            self.peak_resident = self.resident
+        hits = cache.allocate(r.prefix) if cache is not None else 0
+        if cache is not None and cache.cached:
+            cache.trim(self.engine.capacity.blocks - self.engine_used_blocks)
+        return hits * bs
+
+    def _free(self, r: _Req) -> None:
+        """The engine frees ``r``'s blocks (its stop is processed); prompt blocks stay cached."""
+        if not r.engine_held:
+            return
+        r.engine_held = False
+        self.resident -= 1
+        self.own_blocks -= -(-(r.prompt + r.generated) // self.block_size) - len(r.prefix)
+        if self.cache is not None:
+            self.cache.free(r.prefix)
+
+    def _check_engine(self) -> None:
+        """The engine's own count of its blocks agrees with the ledger's ``used`` (a shared
+        prompt block counted once on both sides), and its cache fits beside them."""
+        used = self.engine_used_blocks
+        booked = self.sched.ledger.used
+        if used != booked:
+            raise SimulationError(f"the engine holds {used} blocks, the ledger books {booked}")
+        cached = len(self.cache.cached) if self.cache is not None else 0
+        if used + cached > self.engine.capacity.blocks:
+            raise SimulationError(f"{used} held + {cached} cached blocks exceed the capacity")
+
+    def _reconcile(self, t: float) -> None:
+        """Reconcile the ledger with the engine's own usage, as a production shell does from the
+        engine's KV gauge (every stop is confirmed here, so it must find no drift)."""
+        self.apply(self.sched.reconcile(self.engine_used_blocks, t), t)
+        if self.sched.drift:
+            raise SimulationError(f"reconciliation found a drift of {self.sched.drift} blocks")
 
     # -- engine membership ----------------------------------------------------------------
 
@@ -313,6 +416,8 @@ class _Sim:
         if r.end is None:
             r.end = end
         self._stop_engine(r)
+        self._free(r)
+        r.prefix = ()  # (the hashes are needed only while the engine may hold the blocks)
         r.phase = _DONE
         self.done += 1
 
@@ -326,7 +431,8 @@ class _Sim:
                 assert isinstance(a, ev.Admit)
                 if r.phase != _QUEUED:
                     raise SimulationError(f"Admit for {r.rid} in phase {r.phase}")
-                if r.admitted_at < 0:
+                first = r.admitted_at < 0
+                if first:
                     r.admitted_at = t
                 if a.resume is not None:
                     if a.resume.generated_tokens != r.generated:
@@ -337,6 +443,14 @@ class _Sim:
                     r.prefill_left = r.prompt + r.generated
                 else:
                     r.prefill_left = r.prompt
+                if r.engine_held:
+                    raise SimulationError(f"Admit for {r.rid} whose blocks the engine holds")
+                cached = self._allocate(r, r.prefill_left)
+                r.cached_tokens = cached
+                r.prefill_left -= cached  # (hashes cover at most all but the last prompt token)
+                if first:
+                    self.prefix_prompt_tokens += r.prompt
+                    self.prefix_cached_tokens += cached
                 r.boundary = a.boundary
                 r.phase = _PREFILL
                 self.prefill_q.append(r)
@@ -425,6 +539,8 @@ class _Sim:
         if g > r.hard_max:
             self.violations += 1
         r.generated = g
+        if (r.prompt + g - 1) % self.block_size == 0:
+            self.own_blocks += 1  # the token opens a new block
         if r.ctx_in:
             self.ctx_total += 1
         try:
@@ -466,6 +582,9 @@ class _Sim:
         chunk = engine.prefill_chunk_tokens
         tick_s = engine.tick_s
         cap_blocks = engine.capacity.blocks
+        bs = self.block_size
+        cache = self.cache
+        note_cached = sched.note_cached
         ledger = sched.ledger
         order = self.order
         n = len(order)
@@ -499,7 +618,9 @@ class _Sim:
                 if t == ta:
                     r = order[ai]
                     ai += 1
-                    self.apply(sched.arrive(r.rid, r.sim.spec, t), t)
+                    spec = self._spec(r)
+                    r.prefix = spec.prefix_blocks
+                    self.apply(sched.arrive(r.rid, spec, t), t)
                     if r.end is None and r.abandon_at is not None:
                         self._at(r.abandon_at, 1, r.rid)
                 elif t == te:
@@ -510,6 +631,7 @@ class _Sim:
                             if r.phase == _ABORTING:
                                 self._leave_decode(r)
                                 r.phase = _HELD
+                            self._free(r)  # the engine processed the stop: blocks are free
                             self.apply(sched.confirm_release(rid, t), t)
                     elif r.end is None and r.phase != _DONE:
                         # the caller disconnects
@@ -526,6 +648,8 @@ class _Sim:
                     )
                     if self.check_invariants:
                         sched.check_invariants()
+                        self._check_engine()
+                        self._reconcile(t)
                     next_tick = t + tick_s
 
         while self.done < n:
@@ -606,6 +730,8 @@ class _Sim:
                 g += 1
                 r.generated = g
                 self.ctx_total += 1
+                if (r.prompt + g - 1) % bs == 0:
+                    self.own_blocks += 1  # the token opens a new block
                 acts = charge(r.rid, 1, now)
                 r.last_token_at = now
                 if r.interactive:
@@ -628,6 +754,8 @@ class _Sim:
                 if r.prefill_left > 0:
                     continue
                 prefill_q.remove(r)
+                if cache is not None and r.prefix:
+                    note_cached(r.rid, r.cached_tokens)  # as vLLM's num_cached_tokens
                 if r.generated >= r.stop_at or r.generated >= r.hard_max:
                     # resumed after its last token: nothing left to generate
                     self._enter_decode(r)
@@ -637,6 +765,9 @@ class _Sim:
                 self._token(r, now, step_start)
                 if r.phase == _DECODE:
                     self._after_token(r, now)
+            if cache is not None and cache.cached:
+                # the step's new blocks may need the room of unreferenced cached ones
+                cache.trim(cap_blocks - self.engine_used_blocks)
             if nb:
                 sched.observe_step(nb, ctx, decode_s, now)
             if self.progress is not None and steps % 512 == 0:
@@ -742,6 +873,13 @@ class _Sim:
             makespan_s=makespan,
             steps=steps,
             wall_s=wall,
+            peak_resident=self.peak_resident,
+            prefix_cached_tokens=self.prefix_cached_tokens,
+            prefix_hit_rate=(
+                self.prefix_cached_tokens / self.prefix_prompt_tokens
+                if self.prefix_prompt_tokens
+                else 0.0
+            ),
             itl_cdf=_hist_cdf(self.itl_hist),
             kv_series=tuple(series),
         )

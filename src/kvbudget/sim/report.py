@@ -14,6 +14,7 @@ JSON shape (``kvbudget simulate --json``)::
                              "wasted_decoded_tokens": ..., "ttft_p99_s": ..., "itl_p99_s": ...,
                              "stalls": ..., "kv_reserved_mean": ..., "kv_used_mean": ...,
                              "hard_max_violations": ..., "silent_truncations": ...,
+                             "prefix_cached_tokens": ..., "prefix_hit_rate": ...,
                              ...more figures of the table (see PolicyResult.to_dict)}},
      "workload": {...}, "scenario": {...}, "engine": {...}}
 
@@ -61,6 +62,8 @@ JSON_POLICY_KEYS: tuple[str, ...] = (
     "kv_used_mean",
     "hard_max_violations",
     "silent_truncations",
+    "prefix_cached_tokens",
+    "prefix_hit_rate",
 )
 
 
@@ -78,6 +81,9 @@ class PolicyResult:
     percent of capacity. ``under_p50/p90/p99``: underestimation of the initial allowance in
     tokens (over the requests it fell short for), ``coverage``: share of requests it covered.
     ``itl_cdf``: (gap seconds, cumulative share) points; ``kv_series``: (t, reserved %, used %).
+    ``peak_resident``: the most requests whose blocks the engine held at once.
+    ``prefix_cached_tokens``: prompt tokens the engine found in its prefix cache at first
+    admissions; ``prefix_hit_rate``: those over the prompt tokens of first admissions.
     """
 
     policy: str
@@ -116,6 +122,9 @@ class PolicyResult:
     makespan_s: float
     steps: int
     wall_s: float
+    peak_resident: int = 0
+    prefix_cached_tokens: int = 0
+    prefix_hit_rate: float = 0.0
     itl_cdf: tuple[tuple[float, float], ...] = ()
     kv_series: tuple[tuple[float, float, float], ...] = ()
 
@@ -144,6 +153,7 @@ class PolicyResult:
             "makespan_s",
             "steps",
             "wall_s",
+            "peak_resident",
         ):
             d[k] = getattr(self, k)
         return d
@@ -199,6 +209,7 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
     ("hardmax", "hard-max viol"),
     ("silent", "silent trunc"),
     ("under", "under p50/p90/p99"),
+    ("prefix", "prefix hit %"),
 )
 
 
@@ -223,6 +234,7 @@ def _row(r: PolicyResult) -> dict[str, str]:
         "hardmax": str(r.hard_max_violations),
         "silent": str(r.silent_truncations),
         "under": f"{r.under_p50}/{r.under_p90}/{r.under_p99}",
+        "prefix": f"{100.0 * r.prefix_hit_rate:.1f}",
     }
 
 
