@@ -265,11 +265,41 @@ def test_cli_reads_prefixes_from_a_mooncake_trace(tmp_path: Path) -> None:
 
 
 def test_without_prefix_data_the_cache_changes_nothing() -> None:
+    # nothing shared and nobody preempted (reserve-max): the cache finds nothing to skip
     wl = synthetic_workload(seed=4, n_requests=120, rate_rps=10.0)
     reqs = apply_scenario(wl, Scenario())
-    for policy in ("calibrated", "reserve-current"):
-        on = simulate(reqs, Scenario(), EngineModel(capacity=Capacity(1200, 16)), policy)
-        off = simulate(reqs, Scenario(), EngineModel(capacity=Capacity(1200, 16),
-                                                     prefix_caching=False), policy)
-        assert attrs.evolve(on, wall_s=0.0) == attrs.evolve(off, wall_s=0.0), policy
-        assert on.prefix_cached_tokens == 0
+    on = simulate(reqs, Scenario(), EngineModel(capacity=Capacity(1200, 16)), "reserve-max")
+    off = simulate(reqs, Scenario(), EngineModel(capacity=Capacity(1200, 16),
+                                                 prefix_caching=False), "reserve-max")
+    assert attrs.evolve(on, wall_s=0.0) == attrs.evolve(off, wall_s=0.0)
+    assert on.prefix_cached_tokens == 0 and on.resume_cached_tokens == 0
+    assert on.preemptions == 0
+
+
+def test_a_resumed_request_finds_its_own_blocks_cached() -> None:
+    # vLLM keeps a preempted request's full blocks (prompt and output) in its prefix cache:
+    # admitted again, it recomputes only what was evicted meanwhile. No prompt is shared here.
+    wl = synthetic_workload(seed=4, n_requests=120, rate_rps=10.0)
+    reqs = apply_scenario(wl, Scenario())
+    on = simulate(reqs, Scenario(), EngineModel(capacity=Capacity(1200, 16)),
+                  "reserve-current", check_invariants=True)
+    off = simulate(reqs, Scenario(), EngineModel(capacity=Capacity(1200, 16),
+                                                 prefix_caching=False), "reserve-current")
+    assert on.preemptions > 0 and off.preemptions > 0
+    assert on.prefix_cached_tokens == 0  # first admissions: nothing shared to find
+    assert 0 < on.resume_cached_tokens <= on.recompute_tokens
+    assert off.resume_cached_tokens == 0
+
+
+def test_park_caches_unregistered_blocks_tail_first() -> None:
+    cache = PrefixCache()
+    cache.allocate((1, 2))
+    cache.park((3, 4))  # blocks that filled up while the request ran
+    cache.free((1, 2))
+    assert list(cache.cached) == [4, 3, 2, 1]  # evicted in this order
+    cache.allocate((9,))
+    cache.park((9,))  # a block someone holds stays held, not cached
+    assert 9 not in cache.cached
+    assert cache.allocate((1, 2, 3, 4)) == 4
+    cache.trim(0)
+    assert not cache.cached

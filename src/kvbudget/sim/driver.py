@@ -48,11 +48,15 @@ spec gets ``prefix_blocks`` at the engine's block size when it arrives (from the
 engine registers a request's prompt blocks in its :class:`~kvbudget.sim.prefix.PrefixCache` at
 ``Admit`` and frees them when the stop is confirmed; its prefill skips the leading cached
 blocks, and at the first token it tells the scheduler how many tokens it found cached
-(``Scheduler.note_cached``, as vLLM's ``num_cached_tokens``). The engine counts its own blocks
-(each request's own, plus each held hash once); after every step it evicts unreferenced cached
-blocks that no longer fit beside them. With ``check_invariants`` that count is checked against
-the ledger's ``used`` at every tick and passed to ``Scheduler.reconcile`` (which must then find
-no drift); otherwise the driver does not reconcile: it confirms every stop itself.
+(``Scheduler.note_cached``, as vLLM's ``num_cached_tokens``). As vLLM's, the cache keeps every
+full block of a request, its output and its unshared prompt blocks included, under hashes of its
+own: a preempted request that is admitted again skips the leading blocks of its prompt and
+output that were not evicted meanwhile (a recompute costs only what the cache lost). The
+engine counts its own blocks (each request's own, plus each held hash once); after every step it
+evicts unreferenced cached blocks that no longer fit beside them. With ``check_invariants``
+that count is checked against the ledger's ``used`` at every tick and passed to
+``Scheduler.reconcile`` (which must then find no drift); otherwise the driver does not
+reconcile: it confirms every stop itself.
 
 What is measured (all from the driver's own records)
 ----------------------------------------------------
@@ -74,6 +78,8 @@ What is measured (all from the driver's own records)
   yet freed).
 * ``prefix_cached_tokens``: prompt tokens found in the prefix cache at first admissions;
   ``prefix_hit_rate``: those over the prompt tokens of first admissions (cached or prefilled).
+  ``resume_cached_tokens``: tokens that requests admitted again (after a preemption) found
+  cached, i.e. did not recompute.
 * Mean reserved and used KV: time-weighted over the makespan (first arrival to last release), as
   percent of capacity. Wasted decoded tokens: tokens decoded for requests that did not complete.
 
@@ -103,7 +109,7 @@ from kvbudget.errors import HardLimitExceeded, InvalidInput
 from kvbudget.errors import SimulationError as SimulationError
 from kvbudget.sim.engine_model import EngineModel
 from kvbudget.sim.prefix import PrefixCache, system_prompt_blocks, trace_prefix_blocks
-from kvbudget.sim.report import PolicyResult, with_oracle_ratio
+from kvbudget.sim.report import PolicyResult, RequestRecord, with_oracle_ratio
 from kvbudget.sim.scenario import Scenario, SimRequest
 
 __all__ = ["SimulationError", "run_policies", "simulate"]
@@ -120,6 +126,8 @@ _DONE = 6
 _ENDS = ("completed", "rejected", "abandoned", "continued", "failed")
 _MAX_SERIES = 2000
 _ITL_RES = 10000.0  # histogram resolution: 0.1 ms
+_NEVER = 1 << 62  # a token count no request reaches
+_OWN_SEED = 0x6B76622D6F77  # "kvb-ow": hashes of a request's own blocks (integers only)
 
 
 class _Req:
@@ -129,6 +137,7 @@ class _Req:
         "arrival",
         "boundary",
         "cached_tokens",
+        "chain",
         "ctx_in",
         "deadline",
         "end",
@@ -141,6 +150,7 @@ class _Req:
         "hard_max",
         "interactive",
         "last_token_at",
+        "leave_at",
         "phase",
         "prefill_left",
         "prefix",
@@ -150,6 +160,7 @@ class _Req:
         "stalls",
         "stop_at",
         "ttft_slo",
+        "uid",
     )
 
     def __init__(self, sim: SimRequest, floor: float, ttft_slo: float, deadline: float) -> None:
@@ -179,11 +190,18 @@ class _Req:
         self.prefix: tuple[int, ...] = ()  # prompt block hashes (set at arrival)
         self.engine_held = False  # the engine holds blocks for it (admitted, not yet freed)
         self.cached_tokens = 0  # prompt tokens found cached at its latest admission
+        # the engine's hashes of the blocks it allocated at the latest admission: the shared
+        # prompt blocks, then the request's own full blocks (prompt and output)
+        self.chain: tuple[int, ...] = ()
+        self.uid = 0  # the request's index, for hashes of its own blocks
         self.abandon_at = (
             None
             if sim.abandon_after_s is None or sim.spec.durable
             else sim.arrival_s + sim.abandon_after_s
         )
+        # a caller that leaves once it has received this many tokens (never: above any count)
+        leave = sim.abandon_after_tokens
+        self.leave_at = leave if leave is not None and not sim.spec.durable else _NEVER
 
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -243,7 +261,11 @@ class _Sim:
         progress: Callable[[float], None] | None,
         check_invariants: bool,
         config: SchedulerConfig | None = None,
+        keep_requests: bool = False,
+        lengths: LengthModel | None = None,
+        cost: CostModel | None = None,
     ) -> None:
+        self.keep_requests = keep_requests
         self.engine = engine
         self.scenario = scenario
         interactive, batch = scenario.service_classes()
@@ -261,8 +283,10 @@ class _Sim:
             engine.capacity,
             classes=(interactive, batch),
             policy=pol,
-            lengths=LengthModel(),
-            cost=CostModel(),
+            # a caller may carry what the budget learned over from an earlier run, as a
+            # server process that serves one workload after another does
+            lengths=lengths if lengths is not None else LengthModel(),
+            cost=cost if cost is not None else CostModel(),
             # the engine's own limits, whatever else the config sets
             config=attrs.evolve(
                 config or SchedulerConfig(),
@@ -280,6 +304,7 @@ class _Sim:
             ttft = cls.ttft_slo_s if cls.ttft_slo_s is not None else math.inf
             dl = sim.spec.deadline if sim.spec.deadline is not None else cls.default_deadline_s
             r = _Req(sim, floor, ttft, dl if dl is not None else math.inf)
+            r.uid = len(self.order)
             if r.rid in self.reqs:
                 raise InvalidInput("requests", r.rid, "unique request ids")
             self.reqs[r.rid] = r
@@ -296,6 +321,7 @@ class _Sim:
         self.own_blocks = 0
         self.prefix_prompt_tokens = 0
         self.prefix_cached_tokens = 0
+        self.resume_cached_tokens = 0  # tokens resumed requests found cached (not recomputed)
         self.resident = 0  # requests whose blocks the engine holds
         self.peak_resident = 0
         # timed events: (time, seq, kind, rid); kinds: 0 confirm, 1 abandon
@@ -346,30 +372,54 @@ class _Sim:
         """The blocks the engine holds: each request's own, each shared prompt block once."""
         return self.own_blocks + (len(self.cache.held) if self.cache is not None else 0)
 
+    def _chain(self, r: _Req, tokens: int) -> tuple[int, ...]:
+        """The engine's hashes of ``r``'s full blocks among its first ``tokens - 1`` tokens:
+        its shared prompt blocks, then blocks of its own. vLLM hashes every full block of a
+        request, output included, and keeps the hashes of freed blocks until they are reused,
+        so a preempted request that is admitted again finds its own blocks still cached."""
+        if self.cache is None:
+            return ()
+        full = max(0, tokens - 1) // self.block_size
+        prefix = r.prefix
+        if full <= len(prefix):
+            return prefix[:full]
+        uid = r.uid
+        return prefix + tuple(hash((_OWN_SEED, uid, k)) for k in range(len(prefix), full))
+
     def _allocate(self, r: _Req, tokens: int) -> int:
-        """The engine takes blocks for ``r``'s ``tokens`` of context; returns the prompt tokens
-        it found cached (the leading blocks its prefill skips)."""
+        """The engine takes blocks for ``r``'s ``tokens`` of context; returns the tokens it
+        found cached (the leading blocks its prefill skips: shared prompt blocks, and on a
+        resume the request's own blocks not evicted since)."""
         bs = self.block_size
         cache = self.cache
-        self.own_blocks += -(-tokens // bs) - len(r.prefix)
+        chain = self._chain(r, tokens)
+        r.chain = chain
+        self.own_blocks += -(-tokens // bs) - len(chain)
         r.engine_held = True
         self.resident += 1
         if self.resident > self.peak_resident:
             self.peak_resident = self.resident
-        hits = cache.allocate(r.prefix) if cache is not None else 0
+        hits = cache.allocate(chain) if cache is not None else 0
         if cache is not None and cache.cached:
             cache.trim(self.engine.capacity.blocks - self.engine_used_blocks)
         return hits * bs
 
     def _free(self, r: _Req) -> None:
-        """The engine frees ``r``'s blocks (its stop is processed); prompt blocks stay cached."""
+        """The engine frees ``r``'s blocks (its stop is processed); its full blocks stay
+        cached, unreferenced, until the space is needed."""
         if not r.engine_held:
             return
         r.engine_held = False
         self.resident -= 1
-        self.own_blocks -= -(-(r.prompt + r.generated) // self.block_size) - len(r.prefix)
+        tokens = r.prompt + r.generated
+        chain = r.chain
+        self.own_blocks -= -(-tokens // self.block_size) - len(chain)
         if self.cache is not None:
-            self.cache.free(r.prefix)
+            # blocks that filled up since the admission join the cache too; the tail goes in
+            # first, so it is evicted first, as vLLM frees a request's blocks tail first
+            self.cache.park(self._chain(r, tokens)[len(chain) :])
+            self.cache.free(chain)
+        r.chain = ()
 
     def _check_engine(self) -> None:
         """The engine's own count of its blocks agrees with the ledger's ``used`` (a shared
@@ -451,6 +501,8 @@ class _Sim:
                 if first:
                     self.prefix_prompt_tokens += r.prompt
                     self.prefix_cached_tokens += cached
+                else:
+                    self.resume_cached_tokens += cached
                 r.boundary = a.boundary
                 r.phase = _PREFILL
                 self.prefill_q.append(r)
@@ -512,6 +564,10 @@ class _Sim:
         """Stop conditions after a token of a decoding request (phase may have changed)."""
         g = r.generated
         ph = r.phase
+        if g >= r.leave_at and r.end is None and ph == _DECODE and g < min(r.stop_at, r.hard_max):
+            # the caller has the tokens it waited for and disconnects now (the same path as a
+            # timed disconnect; a request that just finished has nobody left to disconnect)
+            self._at(t, 1, r.rid)
         if ph == _DECODE:
             if g >= r.stop_at:
                 self._finish(r, "stop", t)
@@ -742,7 +798,13 @@ class _Sim:
                         self.stalls += 1
                 if acts:
                     self.apply(acts, now)
-                if g >= r.boundary or g >= r.stop_at or g >= r.hard_max or r.phase != ph:
+                if (
+                    g >= r.boundary
+                    or g >= r.stop_at
+                    or g >= r.hard_max
+                    or g >= r.leave_at
+                    or r.phase != ph
+                ):
                     self._after_token(r, now)
             if contiguous:
                 key = int(dt * _ITL_RES)
@@ -875,6 +937,7 @@ class _Sim:
             wall_s=wall,
             peak_resident=self.peak_resident,
             prefix_cached_tokens=self.prefix_cached_tokens,
+            resume_cached_tokens=self.resume_cached_tokens,
             prefix_hit_rate=(
                 self.prefix_cached_tokens / self.prefix_prompt_tokens
                 if self.prefix_prompt_tokens
@@ -882,6 +945,24 @@ class _Sim:
             ),
             itl_cdf=_hist_cdf(self.itl_hist),
             kv_series=tuple(series),
+            request_records=self._records() if self.keep_requests else (),
+        )
+
+    def _records(self) -> tuple[RequestRecord, ...]:
+        """Each request as a client saw it, in arrival order (times on the replayed timeline)."""
+        return tuple(
+            RequestRecord(
+                request_id=r.rid,
+                arrival_s=r.arrival,
+                end=r.end or "failed",
+                prompt_tokens=r.prompt,
+                output_tokens=r.generated,
+                expected_tokens=min(r.stop_at, r.hard_max),
+                first_token_s=r.first_token_at if r.first_token_at >= 0 else None,
+                last_token_s=r.last_token_at if r.last_token_at >= 0 else None,
+                finished_s=r.finished_at if r.finished_at >= 0 else None,
+            )
+            for r in self.order
         )
 
 
@@ -895,6 +976,9 @@ def simulate(
     progress: Callable[[float], None] | None = None,
     check_invariants: bool = False,
     config: SchedulerConfig | None = None,
+    keep_requests: bool = False,
+    lengths: LengthModel | None = None,
+    cost: CostModel | None = None,
 ) -> PolicyResult:
     """Replay ``requests`` (from :func:`~kvbudget.sim.scenario.apply_scenario`) through one policy.
 
@@ -903,7 +987,12 @@ def simulate(
     is built with the requests' true lengths) or a Policy instance. ``progress`` is called with
     the share of arrivals replayed. ``check_invariants`` asserts the ledger invariants at every
     tick (slow; for tests). ``config``: the scheduler's knobs (its ``max_active`` and
-    ``prefill_chunk_tokens`` are the engine model's). Deterministic for given inputs.
+    ``prefill_chunk_tokens`` are the engine model's). ``keep_requests``: also return every
+    request's own record (``PolicyResult.request_records``: arrival, end, tokens, first and last
+    token times), for a caller that classifies requests by its own SLO. ``lengths``/``cost``:
+    the scheduler's length and step-cost models (default: fresh ones); pass the ones of an
+    earlier run to start from what it learned (they are updated in place). Deterministic for
+    given inputs.
     """
     sim = _Sim(
         requests,
@@ -914,6 +1003,9 @@ def simulate(
         progress,
         check_invariants,
         config,
+        keep_requests,
+        lengths,
+        cost,
     )
     return sim.run()
 

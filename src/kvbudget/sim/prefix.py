@@ -26,10 +26,14 @@ This module owns two things (issue 12, DESIGN §4 invariant 8 seen from the engi
   tail. A newcomer's prefill skips the *leading* run of its blocks found held or cached (vLLM's
   ``find_longest_cache_hit``): that is its ``num_cached_tokens``.
 
+A request's *own* full blocks (the unshared rest of its prompt, and its output) are cached too,
+under hashes no other request has (the driver's ``_chain``): vLLM hashes every full block, so a
+request preempted and admitted again finds its own blocks if they were not evicted meanwhile
+(:meth:`PrefixCache.park` puts the blocks that filled up while it ran into the cache when it is
+freed).
+
 What is approximated: hashes are Python tuple hashes of integers (deterministic across runs,
-collisions ignored); blocks of generated tokens are not cached (vLLM caches full output blocks
-too, which a resumed request would find), so a resume re-prefills its output; prompt blocks are
-allocated all at admission, not chunk by chunk.
+collisions ignored); blocks are allocated all at admission, not chunk by chunk.
 """
 
 from __future__ import annotations
@@ -152,6 +156,16 @@ class PrefixCache:
             else:
                 del held[h]
                 cached[h] = None
+
+    def park(self, blocks: Sequence[int]) -> None:
+        """Blocks no request holds any more enter the cache unreferenced, tail first (a freed
+        request's blocks that were never registered: those that filled up while it ran)."""
+        held = self.held
+        cached = self.cached
+        for h in reversed(blocks):
+            if h not in held:
+                cached[h] = None
+                cached.move_to_end(h)
 
     def trim(self, free_blocks: int) -> int:
         """Evict least-recently-used unreferenced blocks until at most ``free_blocks`` are

@@ -35,6 +35,7 @@ import attrs
 __all__ = [
     "JSON_POLICY_KEYS",
     "PolicyResult",
+    "RequestRecord",
     "RunResult",
     "SweepResult",
     "format_sweep_table",
@@ -68,6 +69,42 @@ JSON_POLICY_KEYS: tuple[str, ...] = (
 
 
 @attrs.frozen(slots=True, kw_only=True)
+class RequestRecord:
+    """One simulated request as its client saw it (``simulate(..., keep_requests=True)``).
+
+    ``end``: how it ended (completed, rejected, abandoned, continued, failed).
+    ``output_tokens``: tokens it generated (the engine's count, tokens decoded after its client
+    left included); ``expected_tokens``: what it would have generated had nothing stopped it
+    (its true length, cut to its hard max). Times are seconds on the replayed timeline;
+    ``first_token_s``/``last_token_s``/``finished_s`` are None when that never happened.
+    """
+
+    request_id: str
+    arrival_s: float
+    end: str
+    prompt_tokens: int
+    output_tokens: int
+    expected_tokens: int
+    first_token_s: float | None
+    last_token_s: float | None
+    finished_s: float | None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first: (last - first) / (tokens - 1), as
+        vLLM's benchmark client computes it (0.0 for a single token)."""
+        if self.first_token_s is None or self.last_token_s is None:
+            return None
+        if self.output_tokens < 2:
+            return 0.0
+        return (self.last_token_s - self.first_token_s) / (self.output_tokens - 1)
+
+
+@attrs.frozen(slots=True, kw_only=True)
 class PolicyResult:
     """The figures of one policy on one workload (see ``docs/benchmarks.md`` for definitions).
 
@@ -84,6 +121,7 @@ class PolicyResult:
     ``peak_resident``: the most requests whose blocks the engine held at once.
     ``prefix_cached_tokens``: prompt tokens the engine found in its prefix cache at first
     admissions; ``prefix_hit_rate``: those over the prompt tokens of first admissions.
+    ``resume_cached_tokens``: tokens requests admitted again after a preemption found cached.
     """
 
     policy: str
@@ -125,8 +163,11 @@ class PolicyResult:
     peak_resident: int = 0
     prefix_cached_tokens: int = 0
     prefix_hit_rate: float = 0.0
+    resume_cached_tokens: int = 0
     itl_cdf: tuple[tuple[float, float], ...] = ()
     kv_series: tuple[tuple[float, float, float], ...] = ()
+    #: every request's record, when the run kept them (not part of the JSON figures)
+    request_records: tuple[RequestRecord, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON figures: :data:`JSON_POLICY_KEYS` first, then the other table figures."""
@@ -154,6 +195,7 @@ class PolicyResult:
             "steps",
             "wall_s",
             "peak_resident",
+            "resume_cached_tokens",
         ):
             d[k] = getattr(self, k)
         return d

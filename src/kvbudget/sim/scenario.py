@@ -272,6 +272,9 @@ class SimRequest:
     ``hash_ids``: prefix-block ids from the trace, if any (512 tokens each, Mooncake).
     ``system_prompt``: which of the scenario's shared system prompts the prompt starts with
     (None: none), ``system_prompt_tokens`` its length (included in ``prompt_tokens``).
+    ``abandon_after_tokens``: the client disconnects once it has received this many tokens
+    (None: it does not; a client that reads a fixed share of a stream, as a benchmark client
+    does; the overlay never sets it, a caller builds such requests with ``attrs.evolve``).
     """
 
     request_id: str
@@ -287,6 +290,7 @@ class SimRequest:
     hash_ids: tuple[int, ...] = ()
     system_prompt: int | None = None
     system_prompt_tokens: int = 0
+    abandon_after_tokens: int | None = None
 
     @property
     def service_class(self) -> str:
