@@ -45,12 +45,17 @@ every requested token, TTFT <= 2 s and mean TPOT = (last token - first token) / 
 503); ``failed``; abandon also ``abandoned`` (the client left as planned). The sim's TTFT/TPOT
 are per request from the driver's records (``simulate(..., keep_requests=True)``).
 
-Output: per workload and server a line of real and simulated good / late / rejected with the
-relative error of good and whether it meets the issue's target (within 15 % or 5 requests), per
-workload whether the two servers come in the same order, the notes on what the simulator does
-not model, and as the LAST line one JSON object ``{"workloads": {NAME: {"vllm": {"real": {...},
-"sim": {...}, "error": {...}}, "kvbudget": {...}, "same_order": bool}}, "notes": [...],
-"meta": {...}}``.
+Output: per workload and server a line of real and simulated good / late / rejected /
+abandoned, the relative error of good and whether it meets the issue's target (within 15 % or 5
+requests), real and simulated median TTFT and TPOT, per workload whether the two servers come in
+the same order; then the translation check (records given: per request, the prompt length, output
+length and send time the real client used against the simulated request's), the engine-speed
+check (vLLM's median TPOT real over simulated on the lightly loaded abandonment workload: how
+fast the engine ran against the profile), the notes on what the simulator does not model, and as
+the LAST line one JSON object ``{"workloads": {NAME: {"vllm": {"real": {...}, "sim": {...},
+"error": {...}}, "kvbudget": {...}, "same_order": bool}}, "notes": [...], "translation": {...},
+"speed_check": {...}, "meta": {...}}``. ``--step-scale F`` is a what-if (every step-time figure
+times F), never the default; ``meta.step_scale`` records it.
 """
 
 from __future__ import annotations
@@ -98,17 +103,19 @@ COUNTS = ("good", "late", "rejected", "failed", "abandoned")
 
 #: what the simulator does not model, printed with every comparison
 NOTES = (
-    "the engine is the fitted step-time profile: no HTTP, tokenization, detokenization or "
-    "streaming cost, and no CPU contention between the client, the API server and the engine "
-    "core (on this 2-core machine they share the cores, with other users' jobs as well)",
+    "the engine is the fitted step-time profile, i.e. vLLM's execute_model time per step "
+    "(iteration_details.elapsed_ms): the scheduler, output processing, HTTP streaming and "
+    "detokenization around each step are not in it, nor the CPU contention between the "
+    "client, the API server, the engine core and other users' jobs on this 2-core machine; the "
+    "engine's speed therefore varies from run to run (see the speed check)",
     "the kvbudget example's own per-token overhead (FastAPI, the adapter's detokenizer, the "
     "budget's event loop) is not in the profile, which was fitted from vLLM's engine steps",
     "prompt lengths are vLLM's sampled lengths plus the BOS; the few tokens its decode/re-encode "
     "adds or drops are not modelled (the translation check counts them when records are given)",
     "abandon: a client leaves exactly when its k-th token is generated; a real client reads "
     "streamed chunks late and may find the whole stream there already (left_after_finish)",
-    "burst: greedy outputs are not compared (the sim has no text); prefix cache: prompt blocks "
-    "only (generated blocks are not cached), blocks allocated at admission",
+    "burst: greedy outputs are not compared (the sim has no text); prefix cache: a request's "
+    "blocks are allocated at admission, not chunk by chunk",
 )
 
 
@@ -245,11 +252,9 @@ def plan_workload(
     return vllm_random_plan(workload, n, seed, tok)
 
 
-def scenario_for(plan: Sequence[Planned]) -> Scenario:
+def scenario_for() -> Scenario:
     """The overlay: every request interactive (the example's default class, no headers sent),
-    one tenant, the engine's context, the SLO of serve_bench, no overlay abandonment, and the
-    shared prefix as one system prompt."""
-    shared = max((p.shared_prefix_tokens for p in plan), default=0)
+    one tenant, the engine's context, the SLO of serve_bench and no overlay abandonment."""
     return Scenario(
         interactive_share=1.0,
         tenants=(("default", 1.0),),
@@ -262,28 +267,26 @@ def scenario_for(plan: Sequence[Planned]) -> Scenario:
         itl_floor_s=0.2,  # kvbudget.INTERACTIVE.latency_floor_s, the example's class
         abandon_share=0.0,
         durable_share=0.0,
-        system_prompts=1 if shared else 0,
-        system_prompt_tokens=shared,
-        system_prompt_share=1.0,
     )
 
 
 def sim_requests(plan: Sequence[Planned]) -> tuple[Scenario, tuple[SimRequest, ...]]:
-    """The simulator's requests for ``plan``: each asks for exactly its output length."""
-    scenario = scenario_for(plan)
+    """The simulator's requests for ``plan``: each asks for exactly its output length; a shared
+    prefix is the first ``shared_prefix_tokens`` of the prompt, one system prompt for all of
+    them (vLLM's random dataset draws one prefix per run), whose full blocks the simulated
+    engine's prefix cache holds once."""
+    scenario = scenario_for()
     workload = Workload(
-        "serve_bench",
-        [
-            TraceRequest(p.arrival_s, p.prompt_tokens - p.shared_prefix_tokens, p.output_tokens)
-            for p in plan
-        ],
+        "serve_bench", [TraceRequest(p.arrival_s, p.prompt_tokens, p.output_tokens) for p in plan]
     )
     out = []
     for p, r in zip(plan, apply_scenario(workload, scenario), strict=True):
         spec = attrs.evolve(r.spec, max_tokens=p.output_tokens)
+        shared = p.shared_prefix_tokens
         out.append(
             attrs.evolve(
-                r, spec=spec, request_id=f"r{p.index}", abandon_after_tokens=p.leave_after
+                r, spec=spec, request_id=f"r{p.index}", abandon_after_tokens=p.leave_after,
+                system_prompt=0 if shared else None, system_prompt_tokens=shared,
             )
         )
     return scenario, tuple(out)
@@ -441,8 +444,10 @@ def run_real(opts: argparse.Namespace, out_dir: Path) -> Path:
     argv = [
         sys.executable, str(HERE / "serve_bench.py"), "--servers", ",".join(SERVERS),
         "--out", str(out_dir), "--seed", str(opts.seed), "--policy", opts.policy,
-        "--num-prompts-scale", str(opts.num_prompts_scale), "--model", str(opts.model),
+        "--num-prompts-scale", str(opts.num_prompts_scale),
     ]
+    if opts.model is not None:
+        argv += ["--model", str(opts.model)]
     for name in opts.workloads:
         argv += ["--workload", name]
     print(f"# real run: {' '.join(argv[1:])}", file=sys.stderr, flush=True)
@@ -539,14 +544,15 @@ def _cell(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:g}"
+        return f"{value:.3g}"
     return str(value)
 
 
 def format_table(result: Mapping[str, Mapping[str, Any]]) -> str:
     head = (
         f"{'workload':<13} {'server':<9} {'good r/s':>10} {'late r/s':>10} {'rej r/s':>9} "
-        f"{'aband r/s':>10} {'good err':>9} {'target':>6}  order"
+        f"{'aband r/s':>10} {'good err':>9} {'target':>6} {'ttft50 r/s':>13} "
+        f"{'tpot50ms r/s':>12}  order"
     )
     lines = [head]
     for workload, entry in result.items():
@@ -565,7 +571,8 @@ def format_table(result: Mapping[str, Mapping[str, Any]]) -> str:
             }[entry["same_order"]]
             lines.append(
                 f"{workload:<13} {server:<9} {pair('good'):>10} {pair('late'):>10} "
-                f"{pair('rejected'):>9} {pair('abandoned'):>10} {rel:>9} {ok:>6}  {order}"
+                f"{pair('rejected'):>9} {pair('abandoned'):>10} {rel:>9} {ok:>6} "
+                f"{pair('ttft_p50_s'):>13} {pair('tpot_p50_ms'):>12}  {order}"
             )
     return "\n".join(lines)
 
@@ -580,19 +587,62 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="repeatable; default all, in serve_bench's order")
     p.add_argument("--engine-profile", default=DEFAULT_PROFILE,
                    help=f"profile file or shipped name (default {DEFAULT_PROFILE})")
+    p.add_argument("--step-scale", type=float, default=1.0, metavar="F",
+                   help="what-if, not a fit: multiply every step-time figure of the profile by "
+                        "F (the same engine on a faster or busier machine; default 1)")
     p.add_argument("--policy", default="calibrated", help="the kvbudget example's policy")
     p.add_argument("--seed", type=int, default=0, help="serve_bench's dataset seed (default 0)")
     p.add_argument("--num-prompts-scale", type=float, default=1.0)
-    p.add_argument("--model", type=Path, default=sb.DEFAULT_MODEL_DIR,
-                   help="the tiny model directory (its tokenizer; built if missing)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="the tiny model directory (its tokenizer; built if missing; default: "
+                        "serve_bench's, or without one kvbudget's tiny tokenizer's figures)")
     p.add_argument("--out", type=Path, default=None,
                    help="where the real run keeps serve_bench's records (default: a temp dir)")
     args = p.parse_args(argv)
     args.workloads = [w for w in sb.WORKLOADS if w in (args.workload or list(sb.WORKLOADS))]
+    if not args.step_scale > 0:
+        p.error("--step-scale must be > 0")
     return args
 
 
+def scaled(profile: EngineProfile, factor: float) -> EngineProfile:
+    """``profile`` with every step-time figure (and the abort latency, one step) times
+    ``factor``."""
+    if factor == 1.0:
+        return profile
+    st = profile.step
+    step = attrs.evolve(
+        st, fixed_s=st.fixed_s * factor, per_seq_s=st.per_seq_s * factor,
+        per_context_token_s=st.per_context_token_s * factor,
+        prefill_per_token_s=st.prefill_per_token_s * factor,
+    )
+    return attrs.evolve(
+        profile, step=step, abort_latency_s=profile.abort_latency_s * factor,
+        name=f"{profile.name} x{factor:g}",
+    )
+
+
+def speed_check(result: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The engine's speed, real against simulated, where the load is light enough that no
+    queue forms (the abandonment workload: 6 req/s of 256 + 100..400 tokens): the ratio of
+    vLLM's median TPOT, real over simulated. Not used by the simulation; a diagnostic."""
+    entry = result.get("abandon", {}).get("vllm")
+    if not entry or not entry.get("real") or not entry.get("sim"):
+        return None
+    real, sim = entry["real"].get("tpot_p50_ms"), entry["sim"].get("tpot_p50_ms")
+    if not real or not sim:
+        return None
+    return {"workload": "abandon", "server": "vllm", "tpot_p50_ms_real": real,
+            "tpot_p50_ms_sim": sim, "real_over_sim": round(real / sim, 2)}
+
+
 def _tokenizer(opts: argparse.Namespace) -> TokenizerInfo:
+    """The tokenizer of ``--model`` (built if missing); without ``--model``, serve_bench's
+    default model's if it is there, else :data:`TINY_TOKENIZER` (what build_tiny_llama builds
+    by default: the figures are the same, and the simulation needs no model files)."""
+    if opts.model is None:
+        default = Path(sb.DEFAULT_MODEL_DIR)
+        return tokenizer_info(default) if (default / "tokenizer.json").exists() else TINY_TOKENIZER
     if not (opts.model / "tokenizer.json").exists():
         from kvbudget.engines.tiny_model import build_tiny_llama
 
@@ -603,7 +653,7 @@ def _tokenizer(opts: argparse.Namespace) -> TokenizerInfo:
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
     tok = _tokenizer(opts)
-    profile = EngineProfile.load(opts.engine_profile)
+    profile = scaled(EngineProfile.load(opts.engine_profile), opts.step_scale)
     real: dict[str, dict[str, dict[str, Any]]] = {}
     records: dict[str, Any] = {}
     real_source: str | None = None
@@ -631,6 +681,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("# the simulator does not model:")
     for note in NOTES:
         print(f"#  - {note}")
+    speed = speed_check(result)
+    if speed is not None:
+        print(f"# engine speed at light load (abandon, vllm): TPOT p50 real "
+              f"{speed['tpot_p50_ms_real']} ms, sim {speed['tpot_p50_ms_sim']} ms "
+              f"(real / sim {speed['real_over_sim']})")
     misses = [
         f"{w}/{s}" for w, e in result.items() for s in SERVERS
         if e[s]["error"] and not e[s]["error"]["within_target"]
@@ -642,9 +697,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workloads": result,
         "notes": list(NOTES),
         "translation": checks,
+        "speed_check": speed,
         "meta": {
             "real": real_source,
             "engine_profile": profile.name,
+            "step_scale": opts.step_scale,
             "policies": {"vllm": VLLM_POLICY, "kvbudget": opts.policy},
             "seed": opts.seed,
             "num_prompts_scale": opts.num_prompts_scale,
