@@ -64,6 +64,7 @@ import argparse
 import collections
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -451,8 +452,12 @@ def run_real(opts: argparse.Namespace, out_dir: Path) -> Path:
     for name in opts.workloads:
         argv += ["--workload", name]
     print(f"# real run: {' '.join(argv[1:])}", file=sys.stderr, flush=True)
+    # the machine's load around the run: the engine's speed depends on it (2 shared cores)
+    before = os.getloadavg()
     proc = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=False)
+    after = os.getloadavg()
     (out_dir / "serve_bench.out").write_text(proc.stdout, encoding="utf-8")
+    (out_dir / "load.json").write_text(json.dumps({"before": before, "after": after}))
     sys.stderr.write(proc.stdout)
     if proc.returncode != 0:
         raise SystemExit(f"serve_bench exited with {proc.returncode}")
@@ -657,14 +662,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     real: dict[str, dict[str, dict[str, Any]]] = {}
     records: dict[str, Any] = {}
     real_source: str | None = None
+    load_file: Path | None = None
     if opts.real is not None:
         real, records = load_real(opts.real)
         real_source = str(opts.real)
+        load_file = opts.real / "load.json" if opts.real.is_dir() else None
     elif not opts.sim_only:
         out_dir = opts.out or Path(tempfile.mkdtemp(prefix="sim_vs_real-"))
         out_dir.mkdir(parents=True, exist_ok=True)
         real, records = load_real(run_real(opts, out_dir))
         real_source = str(out_dir)
+        load_file = out_dir / "load.json"
     sim = simulate_workloads(
         opts.workloads, profile=profile, policy=opts.policy, seed=opts.seed,
         scale=opts.num_prompts_scale, tok=tok,
@@ -700,6 +708,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "speed_check": speed,
         "meta": {
             "real": real_source,
+            # 1/5/15-minute load averages before and after the real run, when it was made here
+            "real_load_avg": (
+                json.loads(load_file.read_text()) if load_file and load_file.exists() else None
+            ),
             "engine_profile": profile.name,
             "step_scale": opts.step_scale,
             "policies": {"vllm": VLLM_POLICY, "kvbudget": opts.policy},
