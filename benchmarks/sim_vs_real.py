@@ -369,7 +369,6 @@ def simulate_workloads(
 # -- the real side -------------------------------------------------------------------------------
 
 
-
 def _real_summary(s: Mapping[str, Any]) -> dict[str, Any]:
     """The figures compared, from one serve_bench summary (``rejected`` = 429 + 503)."""
     out = {
