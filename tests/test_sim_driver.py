@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import pytest
 
+from kvbudget.core.lengths import LengthModel
 from kvbudget.core.model import Capacity
 from kvbudget.core.policy import POLICY_NAMES
 from kvbudget.errors import InvalidInput
@@ -147,3 +150,59 @@ def test_single_request_timing_matches_the_step_model() -> None:
     # first token after the prefill step: fixed + 100 x prefill
     assert r.ttft_p50_s == pytest.approx(step.fixed_s + 100 * step.prefill_per_token_s)
     assert r.decoded_tokens == 10
+
+
+def test_request_records_time_every_token_as_the_step_model_says() -> None:
+    trace = Workload(name="two", requests=[
+        TraceRequest(arrival_s=0.0, prompt_tokens=100, output_tokens=10),
+        TraceRequest(arrival_s=50.0, prompt_tokens=100, output_tokens=1),
+    ])
+    sc = Scenario(interactive_share=1.0, abandon_share=0.0)
+    reqs = apply_scenario(trace, sc)
+    assert simulate(reqs, sc, SMALL_ENGINE, "reserve-max").request_records == ()
+    r = simulate(reqs, sc, SMALL_ENGINE, "reserve-max", keep_requests=True)
+    first, second = r.request_records
+    step = SMALL_ENGINE.step
+    assert (first.request_id, first.end, first.output_tokens, first.expected_tokens) == (
+        reqs[0].request_id, "completed", 10, 10
+    )
+    assert first.ttft_s == pytest.approx(step.fixed_s + 100 * step.prefill_per_token_s)
+    # nine decode steps of one sequence (context 101..109) after the first token: TPOT is
+    # their mean
+    mean = sum(step.decode_time(1, 100 + k) for k in range(1, 10)) / 9
+    assert first.tpot_s == pytest.approx(mean)
+    assert first.finished_s == first.last_token_s
+    assert second.arrival_s == 50.0 and second.tpot_s == 0.0  # a single token
+
+
+def test_a_client_leaves_after_its_planned_tokens() -> None:
+    trace = Workload(name="two", requests=[
+        TraceRequest(arrival_s=0.0, prompt_tokens=64, output_tokens=300),
+        TraceRequest(arrival_s=0.0, prompt_tokens=64, output_tokens=300),
+    ])
+    sc = Scenario(interactive_share=1.0, abandon_share=0.0)
+    stays, leaves = apply_scenario(trace, sc)
+    leaves = attrs.evolve(leaves, abandon_after_tokens=40)
+    r = simulate([stays, leaves], sc, SMALL_ENGINE, "reserve-current", keep_requests=True)
+    kept, gone = r.request_records
+    assert (kept.end, kept.output_tokens) == ("completed", 300)
+    assert gone.end == "abandoned"
+    # it leaves at its 40th token; the abort lands abort_latency_s later (a few more tokens)
+    steps = SMALL_ENGINE.abort_latency_s / SMALL_ENGINE.step.decode_time(2, 700)
+    assert 40 <= gone.output_tokens <= 40 + math.ceil(steps) + 1
+    assert r.abandoned == 1 and r.completed == 1
+    # a client that would leave after the last token never leaves
+    late = attrs.evolve(stays, abandon_after_tokens=300)
+    assert simulate([late], sc, SMALL_ENGINE, "reserve-current").completed == 1
+
+
+def test_the_length_model_can_be_carried_from_one_run_to_the_next() -> None:
+    reqs, sc = _requests(n=60, rate=4.0)
+    lengths = LengthModel()
+    first = simulate(reqs, sc, SMALL_ENGINE, "calibrated", lengths=lengths)
+    learned = lengths.underestimation()
+    assert learned is not None and learned.overall.count > 0
+    again = simulate(reqs, sc, SMALL_ENGINE, "calibrated", lengths=lengths)
+    fresh = simulate(reqs, sc, SMALL_ENGINE, "calibrated")
+    assert _figures(fresh) == _figures(first)  # a fresh model by default
+    assert again.under_p90 != first.under_p90 or again.coverage != first.coverage

@@ -124,6 +124,16 @@ def _service_quantile(text: str) -> float | None:
     return v
 
 
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -234,6 +244,28 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="true output tokens of each wave request",
     )
     g.add_argument("--wave-prompt-tokens", type=_positive_int, default=512)
+    g.add_argument(
+        "--system-prompts",
+        type=_nonneg_int,
+        default=0,
+        metavar="N",
+        help="N distinct shared system prompts, prepended to requests without prefix data of "
+        "their own (Mooncake hash_ids); 0: none",
+    )
+    g.add_argument(
+        "--system-prompt-tokens",
+        type=_nonneg_int,
+        default=0,
+        metavar="T",
+        help="tokens of each system prompt (counted in the request's prompt)",
+    )
+    g.add_argument(
+        "--system-prompt-share",
+        type=_share,
+        default=1.0,
+        metavar="F",
+        help="share of requests (without prefix data) that start with a system prompt",
+    )
     g = p.add_argument_group("engine")
     g.add_argument(
         "--engine-profile",
@@ -264,6 +296,11 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         type=_nonneg_float,
         help="seconds until an abort or preemption is confirmed "
         f"(default {DEFAULT_ABORT_LATENCY_S})",
+    )
+    g.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="turn the engine's prefix cache off: every prompt is prefilled and charged in full",
     )
     g.add_argument("--step-fixed-ms", type=_nonneg_float, help="decode step fixed cost (ms)")
     g.add_argument(
@@ -342,6 +379,7 @@ def _engine_from(args: argparse.Namespace) -> Any:
         abort_latency_s=given(args.abort_latency, base.abort_latency_s),
         max_batch=given(args.max_batch, base.max_batch),
         prefill_chunk_tokens=given(args.prefill_chunk, base.prefill_chunk_tokens),
+        prefix_caching=base.prefix_caching and not args.no_prefix_cache,
     )
 
 
@@ -368,6 +406,9 @@ def _scenario_from(args: argparse.Namespace, rate_scale: float) -> Any:
         abandon_share=args.abandon_share,
         rate_scale=rate_scale,
         wave=wave,
+        system_prompts=args.system_prompts,
+        system_prompt_tokens=args.system_prompt_tokens,
+        system_prompt_share=args.system_prompt_share,
     )
 
 

@@ -29,8 +29,9 @@ disconnect), release confirmations (``Scheduler.confirm_release``) and a ``Tick`
    ``boundary_reached`` and *stops* -- it generates nothing until an ``Extend`` comes back, and the
    wait shows in its inter-token gaps. ``observe_step`` reports the decode part of the step.
 
-Actions are carried out as an engine would: ``Admit`` queues the prefill (prompt, plus the
-generated tokens of a resumed checkpoint: the recompute cost); ``Extend`` moves the boundary and
+Actions are carried out as an engine would: ``Admit`` allocates the request's blocks and queues
+the prefill (prompt, plus the generated tokens of a resumed checkpoint: the recompute cost, less
+the leading prompt blocks found in the prefix cache); ``Extend`` moves the boundary and
 un-stops the request; ``Deny`` is counted; ``Preempt`` stops the request at once, its blocks
 confirmed after ``abort_latency_s`` (at once, at the same instant, for a policy whose engine
 preempts inside its own step: ``preempts_in_engine``); ``Abort`` (a cancelled or failed
@@ -40,6 +41,22 @@ later; ``Continue`` ends the request explicitly (counted as continued), confirme
 checkpoint that expired as failed); ``Released`` ends it for good, or puts a preempted request back
 in the queue to resume. A request that finished by itself is confirmed at the start of the next
 iteration.
+
+Prefix caching (``EngineModel.prefix_caching``, :mod:`kvbudget.sim.prefix`). Each request's
+spec gets ``prefix_blocks`` at the engine's block size when it arrives (from the trace's
+``hash_ids`` or the scenario's system prompt), so the ledger charges shared blocks once. The
+engine registers a request's prompt blocks in its :class:`~kvbudget.sim.prefix.PrefixCache` at
+``Admit`` and frees them when the stop is confirmed; its prefill skips the leading cached
+blocks, and at the first token it tells the scheduler how many tokens it found cached
+(``Scheduler.note_cached``, as vLLM's ``num_cached_tokens``). As vLLM's, the cache keeps every
+full block of a request, its output and its unshared prompt blocks included, under hashes of its
+own: a preempted request that is admitted again skips the leading blocks of its prompt and
+output that were not evicted meanwhile (a recompute costs only what the cache lost). The
+engine counts its own blocks (each request's own, plus each held hash once); after every step it
+evicts unreferenced cached blocks that no longer fit beside them. With ``check_invariants``
+that count is checked against the ledger's ``used`` at every tick and passed to
+``Scheduler.reconcile`` (which must then find no drift); otherwise the driver does not
+reconcile: it confirms every stop itself.
 
 What is measured (all from the driver's own records)
 ----------------------------------------------------
@@ -57,6 +74,12 @@ What is measured (all from the driver's own records)
   that ended as completed (not cancelled, continued or failed) with fewer tokens than
   min(true length, hard max), or that the core released as completed without the engine having
   finished them.
+* ``peak_resident``: the most requests whose blocks the engine held at once (admitted, not
+  yet freed).
+* ``prefix_cached_tokens``: prompt tokens found in the prefix cache at first admissions;
+  ``prefix_hit_rate``: those over the prompt tokens of first admissions (cached or prefilled).
+  ``resume_cached_tokens``: tokens that requests admitted again (after a preemption) found
+  cached, i.e. did not recompute.
 * Mean reserved and used KV: time-weighted over the makespan (first arrival to last release), as
   percent of capacity. Wasted decoded tokens: tokens decoded for requests that did not complete.
 
@@ -79,12 +102,14 @@ from kvbudget.core import events as ev
 from kvbudget.core.config import SchedulerConfig
 from kvbudget.core.cost import CostModel
 from kvbudget.core.lengths import LengthModel
+from kvbudget.core.model import RequestSpec
 from kvbudget.core.policy import OraclePolicy, Policy, make_policy
 from kvbudget.core.scheduler import Scheduler
 from kvbudget.errors import HardLimitExceeded, InvalidInput
 from kvbudget.errors import SimulationError as SimulationError
 from kvbudget.sim.engine_model import EngineModel
-from kvbudget.sim.report import PolicyResult, with_oracle_ratio
+from kvbudget.sim.prefix import PrefixCache, system_prompt_blocks, trace_prefix_blocks
+from kvbudget.sim.report import PolicyResult, RequestRecord, with_oracle_ratio
 from kvbudget.sim.scenario import Scenario, SimRequest
 
 __all__ = ["SimulationError", "run_policies", "simulate"]
@@ -101,6 +126,8 @@ _DONE = 6
 _ENDS = ("completed", "rejected", "abandoned", "continued", "failed")
 _MAX_SERIES = 2000
 _ITL_RES = 10000.0  # histogram resolution: 0.1 ms
+_NEVER = 1 << 62  # a token count no request reaches
+_OWN_SEED = 0x6B76622D6F77  # "kvb-ow": hashes of a request's own blocks (integers only)
 
 
 class _Req:
@@ -109,9 +136,12 @@ class _Req:
         "admitted_at",
         "arrival",
         "boundary",
+        "cached_tokens",
+        "chain",
         "ctx_in",
         "deadline",
         "end",
+        "engine_held",
         "finished_at",
         "first_token_at",
         "floor",
@@ -120,14 +150,17 @@ class _Req:
         "hard_max",
         "interactive",
         "last_token_at",
+        "leave_at",
         "phase",
         "prefill_left",
+        "prefix",
         "prompt",
         "rid",
         "sim",
         "stalls",
         "stop_at",
         "ttft_slo",
+        "uid",
     )
 
     def __init__(self, sim: SimRequest, floor: float, ttft_slo: float, deadline: float) -> None:
@@ -154,11 +187,21 @@ class _Req:
         self.stalls = 0
         self.prefill_left = 0
         self.ctx_in = False  # counted in the decode batch's context
+        self.prefix: tuple[int, ...] = ()  # prompt block hashes (set at arrival)
+        self.engine_held = False  # the engine holds blocks for it (admitted, not yet freed)
+        self.cached_tokens = 0  # prompt tokens found cached at its latest admission
+        # the engine's hashes of the blocks it allocated at the latest admission: the shared
+        # prompt blocks, then the request's own full blocks (prompt and output)
+        self.chain: tuple[int, ...] = ()
+        self.uid = 0  # the request's index, for hashes of its own blocks
         self.abandon_at = (
             None
             if sim.abandon_after_s is None or sim.spec.durable
             else sim.arrival_s + sim.abandon_after_s
         )
+        # a caller that leaves once it has received this many tokens (never: above any count)
+        leave = sim.abandon_after_tokens
+        self.leave_at = leave if leave is not None and not sim.spec.durable else _NEVER
 
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -218,7 +261,11 @@ class _Sim:
         progress: Callable[[float], None] | None,
         check_invariants: bool,
         config: SchedulerConfig | None = None,
+        keep_requests: bool = False,
+        lengths: LengthModel | None = None,
+        cost: CostModel | None = None,
     ) -> None:
+        self.keep_requests = keep_requests
         self.engine = engine
         self.scenario = scenario
         interactive, batch = scenario.service_classes()
@@ -236,8 +283,10 @@ class _Sim:
             engine.capacity,
             classes=(interactive, batch),
             policy=pol,
-            lengths=LengthModel(),
-            cost=CostModel(),
+            # a caller may carry what the budget learned over from an earlier run, as a
+            # server process that serves one workload after another does
+            lengths=lengths if lengths is not None else LengthModel(),
+            cost=cost if cost is not None else CostModel(),
             # the engine's own limits, whatever else the config sets
             config=attrs.evolve(
                 config or SchedulerConfig(),
@@ -255,6 +304,7 @@ class _Sim:
             ttft = cls.ttft_slo_s if cls.ttft_slo_s is not None else math.inf
             dl = sim.spec.deadline if sim.spec.deadline is not None else cls.default_deadline_s
             r = _Req(sim, floor, ttft, dl if dl is not None else math.inf)
+            r.uid = len(self.order)
             if r.rid in self.reqs:
                 raise InvalidInput("requests", r.rid, "unique request ids")
             self.reqs[r.rid] = r
@@ -264,6 +314,16 @@ class _Sim:
         self.decoding: dict[str, _Req] = {}
         self.prefill_q: deque[_Req] = deque()
         self.ctx_total = 0
+        self.block_size = engine.capacity.block_size
+        self.cache: PrefixCache | None = PrefixCache() if engine.prefix_caching else None
+        # blocks the engine holds for requests beyond their hashed prompt blocks (those are
+        # counted once each, in the cache's ``held``)
+        self.own_blocks = 0
+        self.prefix_prompt_tokens = 0
+        self.prefix_cached_tokens = 0
+        self.resume_cached_tokens = 0  # tokens resumed requests found cached (not recomputed)
+        self.resident = 0  # requests whose blocks the engine holds
+        self.peak_resident = 0
         # timed events: (time, seq, kind, rid); kinds: 0 confirm, 1 abandon
         self.timed: list[tuple[float, int, int, str]] = []
         self.tseq = 0
@@ -285,6 +345,99 @@ class _Sim:
     def _at(self, t: float, kind: int, rid: str) -> None:
         self.tseq += 1
         heapq.heappush(self.timed, (t, self.tseq, kind, rid))
+
+    # -- the engine's blocks and prefix cache ---------------------------------------------
+
+    def _spec(self, r: _Req) -> RequestSpec:
+        """The spec the application would send: with the prompt's block hashes at the engine's
+        block size where the engine caches prefixes (none where it does not)."""
+        sim = r.sim
+        spec = sim.spec
+        if self.cache is None:
+            return attrs.evolve(spec, prefix_blocks=()) if spec.prefix_blocks else spec
+        if spec.prefix_blocks:
+            return spec  # the caller's own hashes
+        if sim.hash_ids:
+            blocks = trace_prefix_blocks(sim.hash_ids, sim.prompt_tokens, self.block_size)
+        elif sim.system_prompt is not None:
+            blocks = system_prompt_blocks(
+                sim.system_prompt, sim.system_prompt_tokens, sim.prompt_tokens, self.block_size
+            )
+        else:
+            return spec
+        return attrs.evolve(spec, prefix_blocks=blocks) if blocks else spec
+
+    @property
+    def engine_used_blocks(self) -> int:
+        """The blocks the engine holds: each request's own, each shared prompt block once."""
+        return self.own_blocks + (len(self.cache.held) if self.cache is not None else 0)
+
+    def _chain(self, r: _Req, tokens: int) -> tuple[int, ...]:
+        """The engine's hashes of ``r``'s full blocks among its first ``tokens - 1`` tokens:
+        its shared prompt blocks, then blocks of its own. vLLM hashes every full block of a
+        request, output included, and keeps the hashes of freed blocks until they are reused,
+        so a preempted request that is admitted again finds its own blocks still cached."""
+        if self.cache is None:
+            return ()
+        full = max(0, tokens - 1) // self.block_size
+        prefix = r.prefix
+        if full <= len(prefix):
+            return prefix[:full]
+        uid = r.uid
+        return prefix + tuple(hash((_OWN_SEED, uid, k)) for k in range(len(prefix), full))
+
+    def _allocate(self, r: _Req, tokens: int) -> int:
+        """The engine takes blocks for ``r``'s ``tokens`` of context; returns the tokens it
+        found cached (the leading blocks its prefill skips: shared prompt blocks, and on a
+        resume the request's own blocks not evicted since)."""
+        bs = self.block_size
+        cache = self.cache
+        chain = self._chain(r, tokens)
+        r.chain = chain
+        self.own_blocks += -(-tokens // bs) - len(chain)
+        r.engine_held = True
+        self.resident += 1
+        if self.resident > self.peak_resident:
+            self.peak_resident = self.resident
+        hits = cache.allocate(chain) if cache is not None else 0
+        if cache is not None and cache.cached:
+            cache.trim(self.engine.capacity.blocks - self.engine_used_blocks)
+        return hits * bs
+
+    def _free(self, r: _Req) -> None:
+        """The engine frees ``r``'s blocks (its stop is processed); its full blocks stay
+        cached, unreferenced, until the space is needed."""
+        if not r.engine_held:
+            return
+        r.engine_held = False
+        self.resident -= 1
+        tokens = r.prompt + r.generated
+        chain = r.chain
+        self.own_blocks -= -(-tokens // self.block_size) - len(chain)
+        if self.cache is not None:
+            # blocks that filled up since the admission join the cache too; the tail goes in
+            # first, so it is evicted first, as vLLM frees a request's blocks tail first
+            self.cache.park(self._chain(r, tokens)[len(chain) :])
+            self.cache.free(chain)
+        r.chain = ()
+
+    def _check_engine(self) -> None:
+        """The engine's own count of its blocks agrees with the ledger's ``used`` (a shared
+        prompt block counted once on both sides), and its cache fits beside them."""
+        used = self.engine_used_blocks
+        booked = self.sched.ledger.used
+        if used != booked:
+            raise SimulationError(f"the engine holds {used} blocks, the ledger books {booked}")
+        cached = len(self.cache.cached) if self.cache is not None else 0
+        if used + cached > self.engine.capacity.blocks:
+            raise SimulationError(f"{used} held + {cached} cached blocks exceed the capacity")
+
+    def _reconcile(self, t: float) -> None:
+        """Reconcile the ledger with the engine's own usage, as a production shell does from the
+        engine's KV gauge (every stop is confirmed here, so it must find no drift)."""
+        self.apply(self.sched.reconcile(self.engine_used_blocks, t), t)
+        if self.sched.drift:
+            raise SimulationError(f"reconciliation found a drift of {self.sched.drift} blocks")
 
     # -- engine membership ----------------------------------------------------------------
 
@@ -313,6 +466,8 @@ class _Sim:
         if r.end is None:
             r.end = end
         self._stop_engine(r)
+        self._free(r)
+        r.prefix = ()  # (the hashes are needed only while the engine may hold the blocks)
         r.phase = _DONE
         self.done += 1
 
@@ -326,7 +481,8 @@ class _Sim:
                 assert isinstance(a, ev.Admit)
                 if r.phase != _QUEUED:
                     raise SimulationError(f"Admit for {r.rid} in phase {r.phase}")
-                if r.admitted_at < 0:
+                first = r.admitted_at < 0
+                if first:
                     r.admitted_at = t
                 if a.resume is not None:
                     if a.resume.generated_tokens != r.generated:
@@ -337,6 +493,16 @@ class _Sim:
                     r.prefill_left = r.prompt + r.generated
                 else:
                     r.prefill_left = r.prompt
+                if r.engine_held:
+                    raise SimulationError(f"Admit for {r.rid} whose blocks the engine holds")
+                cached = self._allocate(r, r.prefill_left)
+                r.cached_tokens = cached
+                r.prefill_left -= cached  # (hashes cover at most all but the last prompt token)
+                if first:
+                    self.prefix_prompt_tokens += r.prompt
+                    self.prefix_cached_tokens += cached
+                else:
+                    self.resume_cached_tokens += cached
                 r.boundary = a.boundary
                 r.phase = _PREFILL
                 self.prefill_q.append(r)
@@ -398,6 +564,10 @@ class _Sim:
         """Stop conditions after a token of a decoding request (phase may have changed)."""
         g = r.generated
         ph = r.phase
+        if g >= r.leave_at and r.end is None and ph == _DECODE and g < min(r.stop_at, r.hard_max):
+            # the caller has the tokens it waited for and disconnects now (the same path as a
+            # timed disconnect; a request that just finished has nobody left to disconnect)
+            self._at(t, 1, r.rid)
         if ph == _DECODE:
             if g >= r.stop_at:
                 self._finish(r, "stop", t)
@@ -425,6 +595,8 @@ class _Sim:
         if g > r.hard_max:
             self.violations += 1
         r.generated = g
+        if (r.prompt + g - 1) % self.block_size == 0:
+            self.own_blocks += 1  # the token opens a new block
         if r.ctx_in:
             self.ctx_total += 1
         try:
@@ -466,6 +638,9 @@ class _Sim:
         chunk = engine.prefill_chunk_tokens
         tick_s = engine.tick_s
         cap_blocks = engine.capacity.blocks
+        bs = self.block_size
+        cache = self.cache
+        note_cached = sched.note_cached
         ledger = sched.ledger
         order = self.order
         n = len(order)
@@ -499,7 +674,9 @@ class _Sim:
                 if t == ta:
                     r = order[ai]
                     ai += 1
-                    self.apply(sched.arrive(r.rid, r.sim.spec, t), t)
+                    spec = self._spec(r)
+                    r.prefix = spec.prefix_blocks
+                    self.apply(sched.arrive(r.rid, spec, t), t)
                     if r.end is None and r.abandon_at is not None:
                         self._at(r.abandon_at, 1, r.rid)
                 elif t == te:
@@ -510,6 +687,7 @@ class _Sim:
                             if r.phase == _ABORTING:
                                 self._leave_decode(r)
                                 r.phase = _HELD
+                            self._free(r)  # the engine processed the stop: blocks are free
                             self.apply(sched.confirm_release(rid, t), t)
                     elif r.end is None and r.phase != _DONE:
                         # the caller disconnects
@@ -526,6 +704,8 @@ class _Sim:
                     )
                     if self.check_invariants:
                         sched.check_invariants()
+                        self._check_engine()
+                        self._reconcile(t)
                     next_tick = t + tick_s
 
         while self.done < n:
@@ -606,6 +786,8 @@ class _Sim:
                 g += 1
                 r.generated = g
                 self.ctx_total += 1
+                if (r.prompt + g - 1) % bs == 0:
+                    self.own_blocks += 1  # the token opens a new block
                 acts = charge(r.rid, 1, now)
                 r.last_token_at = now
                 if r.interactive:
@@ -616,7 +798,13 @@ class _Sim:
                         self.stalls += 1
                 if acts:
                     self.apply(acts, now)
-                if g >= r.boundary or g >= r.stop_at or g >= r.hard_max or r.phase != ph:
+                if (
+                    g >= r.boundary
+                    or g >= r.stop_at
+                    or g >= r.hard_max
+                    or g >= r.leave_at
+                    or r.phase != ph
+                ):
                     self._after_token(r, now)
             if contiguous:
                 key = int(dt * _ITL_RES)
@@ -628,6 +816,8 @@ class _Sim:
                 if r.prefill_left > 0:
                     continue
                 prefill_q.remove(r)
+                if cache is not None and r.prefix:
+                    note_cached(r.rid, r.cached_tokens)  # as vLLM's num_cached_tokens
                 if r.generated >= r.stop_at or r.generated >= r.hard_max:
                     # resumed after its last token: nothing left to generate
                     self._enter_decode(r)
@@ -637,6 +827,9 @@ class _Sim:
                 self._token(r, now, step_start)
                 if r.phase == _DECODE:
                     self._after_token(r, now)
+            if cache is not None and cache.cached:
+                # the step's new blocks may need the room of unreferenced cached ones
+                cache.trim(cap_blocks - self.engine_used_blocks)
             if nb:
                 sched.observe_step(nb, ctx, decode_s, now)
             if self.progress is not None and steps % 512 == 0:
@@ -742,8 +935,34 @@ class _Sim:
             makespan_s=makespan,
             steps=steps,
             wall_s=wall,
+            peak_resident=self.peak_resident,
+            prefix_cached_tokens=self.prefix_cached_tokens,
+            resume_cached_tokens=self.resume_cached_tokens,
+            prefix_hit_rate=(
+                self.prefix_cached_tokens / self.prefix_prompt_tokens
+                if self.prefix_prompt_tokens
+                else 0.0
+            ),
             itl_cdf=_hist_cdf(self.itl_hist),
             kv_series=tuple(series),
+            request_records=self._records() if self.keep_requests else (),
+        )
+
+    def _records(self) -> tuple[RequestRecord, ...]:
+        """Each request as a client saw it, in arrival order (times on the replayed timeline)."""
+        return tuple(
+            RequestRecord(
+                request_id=r.rid,
+                arrival_s=r.arrival,
+                end=r.end or "failed",
+                prompt_tokens=r.prompt,
+                output_tokens=r.generated,
+                expected_tokens=min(r.stop_at, r.hard_max),
+                first_token_s=r.first_token_at if r.first_token_at >= 0 else None,
+                last_token_s=r.last_token_at if r.last_token_at >= 0 else None,
+                finished_s=r.finished_at if r.finished_at >= 0 else None,
+            )
+            for r in self.order
         )
 
 
@@ -757,6 +976,9 @@ def simulate(
     progress: Callable[[float], None] | None = None,
     check_invariants: bool = False,
     config: SchedulerConfig | None = None,
+    keep_requests: bool = False,
+    lengths: LengthModel | None = None,
+    cost: CostModel | None = None,
 ) -> PolicyResult:
     """Replay ``requests`` (from :func:`~kvbudget.sim.scenario.apply_scenario`) through one policy.
 
@@ -765,7 +987,12 @@ def simulate(
     is built with the requests' true lengths) or a Policy instance. ``progress`` is called with
     the share of arrivals replayed. ``check_invariants`` asserts the ledger invariants at every
     tick (slow; for tests). ``config``: the scheduler's knobs (its ``max_active`` and
-    ``prefill_chunk_tokens`` are the engine model's). Deterministic for given inputs.
+    ``prefill_chunk_tokens`` are the engine model's). ``keep_requests``: also return every
+    request's own record (``PolicyResult.request_records``: arrival, end, tokens, first and last
+    token times), for a caller that classifies requests by its own SLO. ``lengths``/``cost``:
+    the scheduler's length and step-cost models (default: fresh ones); pass the ones of an
+    earlier run to start from what it learned (they are updated in place). Deterministic for
+    given inputs.
     """
     sim = _Sim(
         requests,
@@ -776,6 +1003,9 @@ def simulate(
         progress,
         check_invariants,
         config,
+        keep_requests,
+        lengths,
+        cost,
     )
     return sim.run()
 

@@ -25,6 +25,11 @@ An iteration-level batching engine in the style of vLLM v1:
   own that preempts inside its scheduler step (``preempts_in_engine``: vLLM, SGLang, LightLLM),
   whose victim's blocks come back at once. A request that finished by itself is confirmed by the
   next iteration.
+* **Prefix caching** ``prefix_caching`` (on by default, as in vLLM): a prompt block that several
+  live requests share (same chained hash) is stored once; when its last holder is freed it stays
+  cached, unreferenced, until the space is needed (least recently used first); a newcomer's
+  prefill skips its leading cached blocks. The cache itself is
+  :class:`kvbudget.sim.prefix.PrefixCache`; off, every prompt is prefilled and held in full.
 * ``tick_s``: how often the driver sends the scheduler a ``Tick`` (queue time-outs, unconfirmed
   stops) and samples reserved/used KV.
 
@@ -51,7 +56,7 @@ import attrs
 from kvbudget.core.cost import DEFAULT_STEP_TIME, StepTimeModel
 from kvbudget.core.model import Capacity
 from kvbudget.errors import InvalidInput
-from kvbudget.validate import integer, nonnegative, positive
+from kvbudget.validate import boolean, integer, nonnegative, positive
 
 __all__ = [
     "DEFAULT_ABORT_LATENCY_S",
@@ -104,6 +109,7 @@ class EngineModel:
         default=DEFAULT_PREFILL_CHUNK_TOKENS, validator=integer(1)
     )
     tick_s: float = attrs.field(default=DEFAULT_TICK_S, validator=positive())
+    prefix_caching: bool = attrs.field(default=True, validator=boolean(name="prefix_caching"))
 
     def step_time(self, batch_size: int, context_tokens: int, prefill_tokens: int) -> float:
         """Seconds of one iteration: a decode step plus ``prefill_tokens`` of prefill."""
@@ -133,4 +139,5 @@ class EngineModel:
             "max_batch": self.max_batch,
             "prefill_chunk_tokens": self.prefill_chunk_tokens,
             "tick_s": self.tick_s,
+            "prefix_caching": self.prefix_caching,
         }

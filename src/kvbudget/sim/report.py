@@ -14,6 +14,7 @@ JSON shape (``kvbudget simulate --json``)::
                              "wasted_decoded_tokens": ..., "ttft_p99_s": ..., "itl_p99_s": ...,
                              "stalls": ..., "kv_reserved_mean": ..., "kv_used_mean": ...,
                              "hard_max_violations": ..., "silent_truncations": ...,
+                             "prefix_cached_tokens": ..., "prefix_hit_rate": ...,
                              ...more figures of the table (see PolicyResult.to_dict)}},
      "workload": {...}, "scenario": {...}, "engine": {...}}
 
@@ -34,6 +35,7 @@ import attrs
 __all__ = [
     "JSON_POLICY_KEYS",
     "PolicyResult",
+    "RequestRecord",
     "RunResult",
     "SweepResult",
     "format_sweep_table",
@@ -61,7 +63,45 @@ JSON_POLICY_KEYS: tuple[str, ...] = (
     "kv_used_mean",
     "hard_max_violations",
     "silent_truncations",
+    "prefix_cached_tokens",
+    "prefix_hit_rate",
 )
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class RequestRecord:
+    """One simulated request as its client saw it (``simulate(..., keep_requests=True)``).
+
+    ``end``: how it ended (completed, rejected, abandoned, continued, failed).
+    ``output_tokens``: tokens it generated (the engine's count, tokens decoded after its client
+    left included); ``expected_tokens``: what it would have generated had nothing stopped it
+    (its true length, cut to its hard max). Times are seconds on the replayed timeline;
+    ``first_token_s``/``last_token_s``/``finished_s`` are None when that never happened.
+    """
+
+    request_id: str
+    arrival_s: float
+    end: str
+    prompt_tokens: int
+    output_tokens: int
+    expected_tokens: int
+    first_token_s: float | None
+    last_token_s: float | None
+    finished_s: float | None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first: (last - first) / (tokens - 1), as
+        vLLM's benchmark client computes it (0.0 for a single token)."""
+        if self.first_token_s is None or self.last_token_s is None:
+            return None
+        if self.output_tokens < 2:
+            return 0.0
+        return (self.last_token_s - self.first_token_s) / (self.output_tokens - 1)
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -78,6 +118,10 @@ class PolicyResult:
     percent of capacity. ``under_p50/p90/p99``: underestimation of the initial allowance in
     tokens (over the requests it fell short for), ``coverage``: share of requests it covered.
     ``itl_cdf``: (gap seconds, cumulative share) points; ``kv_series``: (t, reserved %, used %).
+    ``peak_resident``: the most requests whose blocks the engine held at once.
+    ``prefix_cached_tokens``: prompt tokens the engine found in its prefix cache at first
+    admissions; ``prefix_hit_rate``: those over the prompt tokens of first admissions.
+    ``resume_cached_tokens``: tokens requests admitted again after a preemption found cached.
     """
 
     policy: str
@@ -116,8 +160,14 @@ class PolicyResult:
     makespan_s: float
     steps: int
     wall_s: float
+    peak_resident: int = 0
+    prefix_cached_tokens: int = 0
+    prefix_hit_rate: float = 0.0
+    resume_cached_tokens: int = 0
     itl_cdf: tuple[tuple[float, float], ...] = ()
     kv_series: tuple[tuple[float, float, float], ...] = ()
+    #: every request's record, when the run kept them (not part of the JSON figures)
+    request_records: tuple[RequestRecord, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON figures: :data:`JSON_POLICY_KEYS` first, then the other table figures."""
@@ -144,6 +194,8 @@ class PolicyResult:
             "makespan_s",
             "steps",
             "wall_s",
+            "peak_resident",
+            "resume_cached_tokens",
         ):
             d[k] = getattr(self, k)
         return d
@@ -199,6 +251,7 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
     ("hardmax", "hard-max viol"),
     ("silent", "silent trunc"),
     ("under", "under p50/p90/p99"),
+    ("prefix", "prefix hit %"),
 )
 
 
@@ -223,6 +276,7 @@ def _row(r: PolicyResult) -> dict[str, str]:
         "hardmax": str(r.hard_max_violations),
         "silent": str(r.silent_truncations),
         "under": f"{r.under_p50}/{r.under_p90}/{r.under_p99}",
+        "prefix": f"{100.0 * r.prefix_hit_rate:.1f}",
     }
 
 

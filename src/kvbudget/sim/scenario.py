@@ -4,7 +4,8 @@ A trace gives arrivals, prompt lengths and true output lengths. This module owns
 layered on top before the simulator can run it: the service-class mix, tenants, ``max_tokens``
 per class and the model's context length, sampling and stop profiles (parts of the calibration
 key), per-class objectives, client abandonment, durability, ``on_exhausted="continue"``, a
-replay-rate multiplier and an optional synchronized *wave* of long interactive outputs.
+replay-rate multiplier, an optional synchronized *wave* of long interactive outputs, and shared
+*system prompts* for traces that carry no prefix data of their own.
 
 :class:`Scenario` holds those settings (validated, JSON round-trippable via
 :func:`scenario_to_dict` / :func:`scenario_from_dict`); :func:`apply_scenario` turns a
@@ -26,6 +27,15 @@ TTFT objective thus streams for about the drawn time before its caller leaves; o
 token is late loses streaming time, as an impatient caller would. The raw draw is kept in
 :attr:`SimRequest.abandon_after_first_token_s` for a driver that tracks first tokens itself.
 A caller who would leave after the request finished simply never disconnects.
+
+System prompts. With ``system_prompts`` = N > 0, a ``system_prompt_share`` of the trace requests
+that have no ``hash_ids`` of their own start with one of N distinct system prompts of
+``system_prompt_tokens`` tokens each, chosen uniformly; the system prompt is *prepended*, so such
+a request's prompt is the trace's prompt plus ``system_prompt_tokens`` (then clamped as below).
+:attr:`SimRequest.system_prompt` names it; the simulator turns it into shared prompt blocks at
+the engine's block size (:func:`kvbudget.sim.prefix.system_prompt_blocks`). These draws come
+from a stream of their own, so turning system prompts on changes nothing else of a request.
+Wave requests carry none.
 
 Clamping. A prompt longer than ``model_max_len - 1`` is cut to ``model_max_len - 1`` (one
 output token must fit), and a true output length above the request's hard maximum
@@ -158,6 +168,10 @@ class Scenario:
 
     Replay: ``rate_scale`` divides the trace's arrival times (2.0 replays twice as fast).
     ``wave``: an optional synchronized burst (:class:`Wave`). ``seed``: the overlay's seed.
+
+    Shared prefixes: ``system_prompts`` distinct system prompts (0: none) of
+    ``system_prompt_tokens`` tokens each, prepended to a ``system_prompt_share`` of the trace
+    requests without ``hash_ids`` (module docstring).
     """
 
     seed: int = attrs.field(default=0, validator=integer(-(2**63)))
@@ -193,6 +207,23 @@ class Scenario:
     continue_share: float = attrs.field(default=0.0, validator=fraction())
     rate_scale: float = attrs.field(default=1.0, validator=positive())
     wave: Wave | None = attrs.field(default=None, converter=_to_wave, validator=_check_wave)
+    system_prompts: int = attrs.field(default=0, validator=integer(0, name="system_prompts"))
+    system_prompt_tokens: int = attrs.field(
+        default=0, validator=integer(0, name="system_prompt_tokens")
+    )
+    system_prompt_share: float = attrs.field(
+        default=1.0, validator=fraction(name="system_prompt_share")
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.system_prompts and not 1 <= self.system_prompt_tokens <= self.model_max_len - 2:
+            # (a request must keep at least one token of its own and one of output)
+            raise InvalidInput(
+                "system_prompt_tokens",
+                self.system_prompt_tokens,
+                f"between 1 and model_max_len - 2 = {self.model_max_len - 2} tokens when "
+                f"system_prompts = {self.system_prompts}",
+            )
 
     def max_tokens_for(self, service_class: str) -> int:
         """The product ``max_tokens`` of ``service_class`` ("interactive" or "batch")."""
@@ -238,7 +269,12 @@ class SimRequest:
     application tells the budget. ``abandon_after_s``: seconds after arrival at which the
     client disconnects (None: never); ``abandon_after_first_token_s``: the same decision as
     time after the first token (module docstring). ``is_wave``: part of the scenario's wave.
-    ``hash_ids``: prefix-block ids from the trace, if any.
+    ``hash_ids``: prefix-block ids from the trace, if any (512 tokens each, Mooncake).
+    ``system_prompt``: which of the scenario's shared system prompts the prompt starts with
+    (None: none), ``system_prompt_tokens`` its length (included in ``prompt_tokens``).
+    ``abandon_after_tokens``: the client disconnects once it has received this many tokens
+    (None: it does not; a client that reads a fixed share of a stream, as a benchmark client
+    does; the overlay never sets it, a caller builds such requests with ``attrs.evolve``).
     """
 
     request_id: str
@@ -252,6 +288,9 @@ class SimRequest:
     abandon_after_first_token_s: float | None = None
     is_wave: bool = False
     hash_ids: tuple[int, ...] = ()
+    system_prompt: int | None = None
+    system_prompt_tokens: int = 0
+    abandon_after_tokens: int | None = None
 
     @property
     def service_class(self) -> str:
@@ -321,9 +360,14 @@ class _Builder:
         *,
         is_wave: bool,
         hash_ids: tuple[int, ...] = (),
+        system_prompt: int | None = None,
     ) -> SimRequest:
         """``u``: six uniforms (tenant, sampling, stops, durable, continue, abandon)."""
         s = self.s
+        system_tokens = 0
+        if system_prompt is not None:
+            system_tokens = s.system_prompt_tokens
+            prompt += system_tokens
         prompt_c = prompt if prompt <= self.max_prompt else self.max_prompt
         service_class = "interactive" if interactive else "batch"
         max_tokens = s.interactive_max_tokens if interactive else s.batch_max_tokens
@@ -357,6 +401,8 @@ class _Builder:
             abandon_after_first_token_s=stream_s if abandons else None,
             is_wave=is_wave,
             hash_ids=hash_ids,
+            system_prompt=system_prompt,
+            system_prompt_tokens=system_tokens,
         )
 
 
@@ -382,6 +428,11 @@ def apply_scenario(workload: Workload, scenario: Scenario) -> tuple[SimRequest, 
     share = s.interactive_share
     mean = s.abandon_mean_s
     digits = max(6, len(str(len(workload.requests))))
+    # system prompts draw from their own stream (two draws per trace request, always)
+    srng = random.Random(f"kvbudget.scenario.system:{s.seed}")
+    srand = srng.random
+    n_system = s.system_prompts
+    system_share = s.system_prompt_share
 
     out: list[SimRequest] = []
     for i, tr in enumerate(workload.requests):
@@ -389,6 +440,12 @@ def apply_scenario(workload: Workload, scenario: Scenario) -> tuple[SimRequest, 
         interactive = rand() < share
         u = [rand(), rand(), rand(), rand(), rand(), rand()]
         stream_s = expo(1.0) * mean
+        carries, which = srand() < system_share, srand()
+        system = (
+            min(n_system - 1, int(which * n_system))
+            if n_system and carries and not tr.hash_ids
+            else None
+        )
         out.append(
             builder.build(
                 f"t{i:0{digits}d}",
@@ -400,6 +457,7 @@ def apply_scenario(workload: Workload, scenario: Scenario) -> tuple[SimRequest, 
                 stream_s,
                 is_wave=False,
                 hash_ids=tr.hash_ids,
+                system_prompt=system,
             )
         )
 
@@ -443,6 +501,7 @@ def overlay_summary(requests: Iterable[SimRequest]) -> dict[str, Any]:
         "abandoning": 0,
         "durable": 0,
         "continue": 0,
+        "system_prompt": 0,
         "duration_s": (reqs[-1].arrival_s - reqs[0].arrival_s) if len(reqs) > 1 else 0.0,
         "total_true_output_tokens": 0,
     }
@@ -455,6 +514,7 @@ def overlay_summary(requests: Iterable[SimRequest]) -> dict[str, Any]:
         summary["abandoning"] += r.abandon_after_s is not None
         summary["durable"] += r.spec.durable
         summary["continue"] += r.spec.on_exhausted == "continue"
+        summary["system_prompt"] += r.system_prompt is not None
         summary["total_true_output_tokens"] += r.true_output_tokens
     summary["classes"] = dict(sorted(classes.items()))
     summary["tenants"] = dict(sorted(tenants.items()))

@@ -1,0 +1,241 @@
+"""benchmarks/sim_vs_real.py, the simulated side only (no engine, no vLLM import): serve_bench's
+workloads as the simulator's requests, the SLO rule on simulated requests, the comparison and
+its JSON shape over a small ``--real`` fixture."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from kvbudget.sim.report import RequestRecord
+
+_BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+sb = _load("serve_bench")
+svr = _load("sim_vs_real")
+TOK = svr.TINY_TOKENIZER
+
+
+# -- the workload translation -------------------------------------------------------------------
+
+
+def test_moderate_is_vllms_random_dataset() -> None:
+    plan = svr.plan_workload("moderate", 0, TOK)
+    assert len(plan) == sb.WORKLOADS["moderate"].num_prompts == 120
+    # vLLM's get_sampling_params with numpy default_rng(0): 575 +- 50 % inputs (576 less the
+    # BOS), 200 +- 50 % outputs; the lengths vLLM's client sent in a real run (request 0..3)
+    assert [p.output_tokens for p in plan[:4]] == [214, 181, 300, 139]
+    assert [p.prompt_tokens for p in plan[:4]] == [778, 655, 582, 443]
+    assert all(1 + 287 <= p.prompt_tokens <= 1 + 863 for p in plan)
+    assert all(100 <= p.output_tokens <= 300 for p in plan)
+    # Poisson arrivals at 8/s, rescaled by vLLM so that the last is sent at n / rate
+    arrivals = [p.arrival_s for p in plan]
+    assert arrivals == sorted(arrivals)
+    assert arrivals[-1] == pytest.approx(120 / 8)
+    assert arrivals[0] == pytest.approx(0.10236, abs=1e-4)
+    assert all(p.shared_prefix_tokens == 0 and p.leave_after is None for p in plan)
+
+
+def test_fixed_lengths_prefix_burst_and_rates() -> None:
+    overload = svr.plan_workload("overload", 0, TOK)
+    assert len(overload) == 160
+    assert {(p.prompt_tokens, p.output_tokens) for p in overload} == {(576, 200)}
+    assert overload[-1].arrival_s == pytest.approx(160 / 40)
+    shared = svr.plan_workload("shared-prefix", 0, TOK)
+    assert {(p.prompt_tokens, p.output_tokens, p.shared_prefix_tokens) for p in shared} == {
+        (1 + 512 + 63, 200, 513)
+    }
+    burst = svr.plan_workload("burst", 0, TOK)
+    assert len(burst) == 30
+    assert {(p.arrival_s, p.prompt_tokens, p.output_tokens) for p in burst} == {(0.0, 512, 300)}
+    small = svr.plan_workload("overload", 0, TOK, scale=0.25)
+    assert len(small) == 40 and small[-1].arrival_s == pytest.approx(1.0)
+
+
+def test_options_default_as_vllm() -> None:
+    w = sb.Workload("x", 5, ("--random-input-len", "100", "--request-rate", "2"))
+    o = svr.bench_options(w)
+    assert o["random_input_len"] == 100 and o["request_rate"] == 2
+    assert o["random_output_len"] == 128 and o["random_range_ratio"] == 0
+    assert o["burstiness"] == 1 and o["random_prefix_len"] == 0
+
+
+def test_abandon_is_serve_benchs_own_plan() -> None:
+    plan = svr.plan_workload("abandon", 0, TOK)
+    theirs = sb.abandon_plan(80, 0, "x-", TOK.vocab_size, TOK.special_ids)
+    assert len(plan) == 80
+    for p, (at, rec, _payload) in zip(plan, theirs, strict=True):
+        assert (p.arrival_s, p.prompt_tokens, p.output_tokens, p.leave_after) == (
+            at, 256, rec.output_len, rec.leave_after
+        )
+    leaving = [p for p in plan if p.leave_after is not None]
+    assert 10 < len(leaving) < 40
+    assert all(1 <= p.leave_after < p.output_tokens for p in leaving)  # type: ignore[operator]
+
+
+def test_sim_requests_ask_for_exactly_their_length() -> None:
+    plan = svr.plan_workload("shared-prefix", 0, TOK)[:5] + svr.plan_workload("abandon", 0, TOK)[:5]
+    plan = [svr.Planned(i, p.arrival_s, p.prompt_tokens, p.output_tokens, 513 if i < 5 else 0,
+                        p.leave_after) for i, p in enumerate(plan)]
+    plan.sort(key=lambda p: p.arrival_s)
+    scenario, reqs = svr.sim_requests(plan)
+    assert scenario.interactive_share == 1.0 and scenario.abandon_share == 0.0
+    for p, r in zip(plan, reqs, strict=True):
+        assert r.request_id == f"r{p.index}"
+        assert r.prompt_tokens == p.prompt_tokens
+        assert r.spec.max_tokens == r.spec.hard_max == r.true_output_tokens == p.output_tokens
+        assert r.spec.service_class == "interactive" and r.spec.tenant == "default"
+        assert r.abandon_after_tokens == p.leave_after and r.abandon_after_s is None
+        assert r.system_prompt_tokens == p.shared_prefix_tokens
+        assert r.system_prompt == (0 if p.shared_prefix_tokens else None)
+
+
+# -- the SLO rule -------------------------------------------------------------------------------
+
+
+def _sim_rec(**kw: Any) -> RequestRecord:
+    base: dict[str, Any] = {
+        "request_id": "r0", "arrival_s": 10.0, "end": "completed", "prompt_tokens": 100,
+        "output_tokens": 101, "expected_tokens": 101, "first_token_s": 11.0,
+        "last_token_s": 12.0, "finished_s": 12.0,
+    }
+    base.update(kw)
+    return RequestRecord(**base)
+
+
+def test_classify_simulated_requests_as_serve_bench() -> None:
+    good = _sim_rec()
+    assert good.ttft_s == 1.0 and good.tpot_s == pytest.approx(0.01)
+    assert svr.classify_sim(good) == "good"
+    assert svr.classify_sim(_sim_rec(first_token_s=12.0, last_token_s=13.0)) == "good"  # 2 s
+    assert svr.classify_sim(_sim_rec(first_token_s=12.01, last_token_s=13.0)) == "late"
+    # TPOT = (last - first) / (tokens - 1): 10.1 s over 100 gaps is 101 ms
+    assert svr.classify_sim(_sim_rec(last_token_s=21.1)) == "late"
+    assert svr.classify_sim(_sim_rec(last_token_s=20.9)) == "good"
+    assert svr.classify_sim(_sim_rec(output_tokens=100)) == "failed"  # short of its request
+    assert svr.classify_sim(_sim_rec(end="rejected", first_token_s=None)) == "rejected"
+    assert svr.classify_sim(_sim_rec(end="abandoned")) == "abandoned"
+    assert svr.classify_sim(_sim_rec(end="failed")) == "failed"
+    one = _sim_rec(output_tokens=1, expected_tokens=1, last_token_s=11.0)
+    assert one.tpot_s == 0.0 and svr.classify_sim(one) == "good"
+    s = svr.summarize_sim([good, _sim_rec(request_id="r1", last_token_s=30.0, finished_s=30.0),
+                           _sim_rec(request_id="r2", end="rejected", first_token_s=None,
+                                    last_token_s=None, finished_s=10.0)])
+    assert (s["sent"], s["good"], s["late"], s["rejected"], s["failed"]) == (3, 1, 1, 1, 0)
+    assert s["duration_s"] == 20.0 and s["goodput"] == 0.05
+
+
+def test_error_target_and_order() -> None:
+    e = svr.error({"good": 100, "late": 0, "rejected": 0}, {"good": 86, "late": 14, "rejected": 0})
+    assert e["good_rel"] == -0.14 and e["within_target"]
+    assert not svr.error({"good": 100, "late": 0, "rejected": 0},
+                         {"good": 84, "late": 0, "rejected": 0})["within_target"]
+    # few requests: 5 requests of slack
+    assert svr.error({"good": 10, "late": 0, "rejected": 0},
+                     {"good": 15, "late": 0, "rejected": 0})["within_target"]
+    assert svr.error({"good": 0, "late": 0, "rejected": 0},
+                     {"good": 3, "late": 0, "rejected": 0})["good_rel"] is None
+    real = {"vllm": {"good": 40}, "kvbudget": {"good": 60}}
+    assert svr.same_order(real, {"vllm": {"good": 20}, "kvbudget": {"good": 50}})
+    assert not svr.same_order(real, {"vllm": {"good": 60}, "kvbudget": {"good": 40}})
+    assert svr.same_order(real, {"vllm": {"good": 52}, "kvbudget": {"good": 50}})  # a tie
+
+
+# -- the whole script over a --real fixture -----------------------------------------------------
+
+
+def _summary(good: int, late: int, rejected: int = 0) -> dict[str, Any]:
+    return {"sent": good + late + rejected, "good": good, "late": late, "rejected": rejected,
+            "rejected_503": 0, "failed": 0, "goodput": 1.0, "duration_s": 3.0,
+            "ttft_p50_s": 0.3, "tpot_p50_ms": 5.0, "engine_preemptions": 1}
+
+
+def _last_json(out: str) -> dict[str, Any]:
+    doc = json.loads(out.strip().splitlines()[-1])
+    assert isinstance(doc, dict)
+    return doc
+
+
+def test_json_shape_from_a_serve_bench_json_file(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = tmp_path / "serve_bench.out"
+    doc = {"workloads": {"burst": {"vllm": _summary(20, 10), "kvbudget": _summary(21, 0, 9),
+                                   "vllm-cap16": _summary(1, 1)}}, "meta": {}}
+    real.write_text("progress line\n" + json.dumps(doc) + "\n")
+    assert svr.main(["--real", str(real), "--workload", "burst"]) == 0
+    out = _last_json(capsys.readouterr().out)
+    assert set(out) == {"workloads", "notes", "translation", "speed_check", "meta"}
+    assert list(out["workloads"]) == ["burst"]
+    burst = out["workloads"]["burst"]
+    assert set(burst) == {"vllm", "kvbudget", "same_order"}
+    assert isinstance(burst["same_order"], bool)
+    for server in ("vllm", "kvbudget"):
+        assert set(burst[server]) == {"real", "sim", "error"}
+        assert burst[server]["sim"]["sent"] == 30
+        for key in ("good", "late", "rejected", "failed", "abandoned"):
+            assert isinstance(burst[server]["sim"][key], int)
+        assert set(burst[server]["error"]) >= {"good_rel", "good_diff", "within_target"}
+    assert burst["vllm"]["real"]["good"] == 20 and burst["kvbudget"]["real"]["rejected"] == 9
+    assert burst["vllm"]["sim"]["policy"] == "reserve-current"
+    assert burst["kvbudget"]["sim"]["policy"] == "calibrated"
+    assert out["meta"]["engine_profile"] == "vllm-cpu-tiny" and out["notes"]
+
+
+def test_records_dir_and_translation_check(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = svr.plan_workload("burst", 0, TOK)
+    for server in ("vllm", "kvbudget", "kvbudget-serve"):
+        records = [
+            {"request_id": f"sb-{server}-burst-r0-abc-{p.index}", "start": 100.0,
+             "prompt_len": p.prompt_tokens + (p.index == 3), "output_len": p.output_tokens}
+            for p in plan
+        ]
+        good = 99 if server == "kvbudget-serve" else 25  # must not be read for "kvbudget"
+        (tmp_path / f"records-burst-{server}-r0.json").write_text(json.dumps(
+            {"summary": _summary(good, 30 - good if good < 30 else 0), "records": records}
+        ))
+    real, recs = svr.load_real(tmp_path)
+    assert set(real) == {"burst"} and set(real["burst"]) == {"vllm", "kvbudget"}
+    assert real["burst"]["kvbudget"]["good"] == 25
+    check = svr.translation_check({"burst": plan}, recs)
+    assert check["burst"]["vllm"] == {
+        "matched": 30, "of": 30, "prompt_len_differs": 1, "max_prompt_len_diff": 1,
+        "output_len_differs": 0, "max_send_time_diff_s": 0.0,
+    }
+    assert svr.main(["--real", str(tmp_path), "--workload", "burst"]) == 0
+    text = capsys.readouterr().out
+    out = _last_json(text)
+    assert out["translation"]["burst"]["kvbudget"]["matched"] == 30
+    assert "burst" in text.splitlines()[2]  # the table row
+
+
+def test_abandon_in_the_simulator_leaves_after_k_tokens() -> None:
+    profile = svr.EngineProfile.load("vllm-cpu-tiny")
+    sim = svr.simulate_workloads(["abandon"], profile=profile, scale=0.5)
+    for server in ("vllm", "kvbudget"):
+        s = sim["abandon"][server]
+        leaving = sum(1 for p in svr.plan_workload("abandon", 0, TOK, 0.5) if p.leave_after)
+        assert s["abandoned"] == leaving  # every planned leaver leaves, nobody else
+        assert s["good"] + s["late"] + s["rejected"] + s["failed"] == s["sent"] - leaving
+        assert s["duration_s"] > 0 and not math.isnan(s["duration_s"])
