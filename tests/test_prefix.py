@@ -222,3 +222,14 @@ def test_a_lease_reports_the_engines_cache_hit() -> None:
 
     before, after, mismatches = anyio.run(main)
     assert (before, after, mismatches) == (14, 20, 1)
+
+
+def test_sglangs_admission_counts_only_the_tokens_to_extend() -> None:
+    """SGLang's PrefillAdder takes a newcomer's ``extend_input_len`` (its prompt less the
+    radix-cache match) off the budget: in 20 blocks beside one running request, its twin is
+    admitted and a stranger of the same size is not."""
+    for other, admits in ((twin(), True), (twin(chain=2), False)):
+        s = Scheduler(Capacity(20, BS), policy="new-token-ratio")
+        admitted(s.arrive("a", twin(), 0.0), "a")
+        out = s.arrive("b", other, 0.0)
+        assert any(isinstance(x, ev.Admit) for x in out) is admits, other

@@ -218,7 +218,9 @@ class NewTokenRatioPolicy(ReserveCurrentPolicy):
         led = s.ledger
         running_rest = (led.active_hard_max - led.active_generated) * self.ratio
         future = min(req.remaining, self.clip)
-        needed = req.prompt + req.generated + future
+        # SGLang takes only the tokens to extend (its radix cache's match is already held):
+        # the prompt less the blocks a live twin holds
+        needed = led.prefill_tokens(req) + future
         ok = led.free * self.block_size - running_rest - self._round_extra - needed >= 0
         if ok:
             self._round_extra += future - req.remaining * self.ratio
