@@ -238,12 +238,14 @@ def test_disconnect_mid_stream_returns_the_blocks(server: dict[str, Any]) -> Non
         "POST", f"{server['url']}/v1/completions", json=body
     ) as r:
         assert r.status_code == 200
+        first = ""
         for line in r.iter_lines():
             if line.startswith("data: "):
+                first = line
                 break  # leave after the first chunk
     snap = _wait_idle(server)
     assert snap["reserved_blocks"] == 0
-    assert snap["totals"]["cancelled"] == before + 1
+    assert snap["totals"]["cancelled"] == before + 1, json.dumps(snap["totals"])
 
 
 def test_metrics_carry_vllms_and_kvbudgets(server: dict[str, Any]) -> None:
