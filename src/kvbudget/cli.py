@@ -124,24 +124,22 @@ def _service_quantile(text: str) -> float | None:
     return v
 
 
-def _nonneg_int(text: str) -> int:
+def _int_at_least(minimum: int, text: str) -> int:
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    if v < minimum:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
     return v
+
+
+def _nonneg_int(text: str) -> int:
+    return _int_at_least(0, text)
 
 
 def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return v
+    return _int_at_least(1, text)
 
 
 @subcommand("simulate")
