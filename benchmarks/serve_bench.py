@@ -1223,6 +1223,30 @@ def finish_runs(runs: list[Run]) -> None:
         if run.error:
             s["error"] = run.error
         run.summary = s
+    for run in runs:
+        if run.server == "vllm" or run.error:
+            continue
+        refs_of = {r.rep: r for r in runs if r.workload == run.workload and r.server == "vllm"}
+        if refs_of:
+            ref = refs_of.get(run.rep, refs_of[min(refs_of)])
+            run.summary["false_rejections"] = false_rejections(ref.records, run.records)
+
+
+def request_index(request_id: str) -> str:
+    """A request's index in its workload (the last ``-`` field of its id): every server is sent
+    the same requests in the same order (same seed), so equal indices are the same request."""
+    return request_id.rsplit("-", 1)[-1]
+
+
+def false_rejections(reference: Sequence[Record], records: Sequence[Record]) -> int:
+    """Requests turned away (429 or 503) that vLLM's own uncapped server, on the same workload,
+    served good: callers who could have been served in time (issue 10's count)."""
+    good = {request_index(r.request_id) for r in reference if r.outcome == "good"}
+    return sum(
+        1
+        for r in records
+        if r.outcome in ("rejected", "rejected_503") and request_index(r.request_id) in good
+    )
 
 
 def _int(value: float | None) -> int | None:
@@ -1266,6 +1290,8 @@ def table_line(run: Run) -> str:
         notes.append(f"budget_preempt={s['budget_preemptions']}")
     if s.get("rejected_in_stream"):
         notes.append(f"rejected_in_stream={s['rejected_in_stream']}")
+    if s.get("false_rejections") is not None:
+        notes.append(f"false_rej={s['false_rejections']}")
     notes.append(f"text_checked={s['text_checked']}")
     if s["text_fffd_only"]:
         notes.append(f"text_fffd_only={s['text_fffd_only']}")

@@ -245,7 +245,7 @@ def test_disconnect_mid_stream_returns_the_blocks(server: dict[str, Any]) -> Non
                 break  # leave after the first chunk
     snap = _wait_idle(server)
     assert snap["reserved_blocks"] == 0
-    assert snap["totals"]["cancelled"] == before + 1, json.dumps(snap["totals"])
+    assert snap["totals"]["cancelled"] == before + 1, (first[:200], json.dumps(snap["totals"]))
 
 
 def test_metrics_carry_vllms_and_kvbudgets(server: dict[str, Any]) -> None:

@@ -196,3 +196,19 @@ def test_text_verdict() -> None:
     assert sb.text_verdict("a\ufffdb", "a\ufffd\ufffdb", "ab\ufffd") == "fffd"
     assert sb.text_verdict("ab", "a\ufffdb", "xx") == "fffd"
     assert sb.text_verdict("ac", "ab", "ab") == "mismatch"
+
+
+def test_false_rejections_are_the_turned_away_that_vllm_served_in_time() -> None:
+    """A 429/503 counts as a false rejection when vLLM's own server, sent the same request (the
+    same index), served it good; one vLLM was late for, or failed, does not count."""
+    ref = [
+        _rec(request_id=f"sb-vllm-w-r0-aa-{i}", outcome=o)
+        for i, o in enumerate(["good", "good", "late", "failed", "good"])
+    ]
+    mine = [
+        _rec(request_id=f"sb-kvbudget-w-r0-bb-{i}", outcome=o)
+        for i, o in enumerate(["rejected", "good", "rejected", "rejected_503", "rejected_503"])
+    ]
+    assert sb.false_rejections(ref, mine) == 2  # indices 0 and 4
+    assert sb.false_rejections(ref, []) == 0
+    assert sb.request_index("sb-kvbudget-serve-shared-prefix-r0-c4f2aa-27") == "27"
