@@ -60,6 +60,7 @@ import kvbudget.errors
 from kvbudget.errors import Forbidden, Unauthorized
 from kvbudget.guard import RequestGuard, api_key_of, error_body
 from kvbudget.observability import PrometheusExporter, snapshot_to_dict
+from kvbudget.vllm import MAX_PARALLEL_SAMPLES
 
 log = logging.getLogger("kvbudget.examples.fastapi")
 
@@ -290,7 +291,7 @@ class Server:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        n = _common.number(body, "n", lo=1, hi=MAX_N, integer=True)
+        n = _common.number(body, "n", lo=1, hi=MAX_PARALLEL_SAMPLES, integer=True)
         room = self.max_model_len - prompt_len
         if room < 1:
             raise _common.BadRequest(
@@ -491,9 +492,6 @@ class Server:
             with anyio.CancelScope(shield=True):
                 await events.aclose()
 
-
-#: the most parallel samples one request may ask for (each is a budget request of its own)
-MAX_N = 16
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 

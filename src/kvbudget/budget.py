@@ -251,12 +251,13 @@ class Lease:
         if self._interrupt is not None:
             raise self._interrupt
 
-    def note_cached(self, cached_tokens: int) -> None:
+    def note_cached(self, cached_tokens: int) -> bool:
         """The engine found ``cached_tokens`` of this request's prompt in its prefix cache (vLLM:
         the first output's ``num_cached_tokens``). Fewer whole blocks than the budget counted as
         shared with a twin: the engine's copies are charged to this request and counted
-        (``prefix_mismatches``; :meth:`Scheduler.note_cached`)."""
-        self._budget._sched.note_cached(self.request_id, cached_tokens)
+        (``prefix_mismatches``; :meth:`Scheduler.note_cached`). Returns whether it was a
+        mismatch."""
+        return self._budget._sched.note_cached(self.request_id, cached_tokens)
 
     def _book(self, n: int) -> None:
         """Like :meth:`charge` without raising a pending interruption (the driver checks)."""

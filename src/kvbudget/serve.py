@@ -58,7 +58,7 @@ from kvbudget.guard import (
     send_json,
 )
 from kvbudget.names import DEFAULT_MAX_TASKS, DEFAULT_MAX_TENANTS, NameLimits
-from kvbudget.vllm import BudgetedEngine
+from kvbudget.vllm import MAX_PARALLEL_SAMPLES, BudgetedEngine
 
 #: request headers (case-insensitive) -> the budget option they set
 HEADERS: Mapping[str, str] = {
@@ -250,10 +250,6 @@ def retry_after_header(retry_after: float) -> dict[str, str]:
         "Retry-After": str(max(1, math.ceil(retry_after))),
         "retry-after-ms": str(max(1, math.ceil(retry_after * 1000.0))),
     }
-
-
-#: the most parallel samples (``n``) one request may ask for: each is a budget request
-MAX_PARALLEL_SAMPLES = 16
 
 
 class BudgetedClient:

@@ -296,13 +296,14 @@ class Ledger:
         for h in prefix[cached : req.shared_at_grant]:
             # a hash others still hold is a second copy, a block more; one only ``req`` holds
             # now (its other holders left) just becomes ``req``'s own, at no cost
-            extra = 1 if shared[h] > 1 else 0
+            holders = shared[h]
+            extra = 1 if holders > 1 else 0
             if copies + extra > free:
                 break
             copies += extra
             end += 1
-            if shared[h] > 1:
-                shared[h] -= 1
+            if holders > 1:
+                shared[h] = holders - 1
             else:
                 del shared[h]
         req.prefix = prefix[:cached] + prefix[end:]

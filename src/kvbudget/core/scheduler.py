@@ -698,20 +698,23 @@ class Scheduler:
                 self._release(req, now, actions)
         return actions
 
-    def note_cached(self, request_id: str, cached_tokens: int) -> None:
+    def note_cached(self, request_id: str, cached_tokens: int) -> bool:
         """The engine reports how many of the request's prompt tokens it found in its prefix
         cache (vLLM: the first output's ``num_cached_tokens``). Fewer whole blocks than the
         ledger counted as shared at the grant: the request holds copies of its own, which are
         charged to it now (:meth:`Ledger.unshare`) and counted as a mismatch. More is the
-        engine's gain (a cached block no live request holds) and changes nothing."""
+        engine's gain (a cached block no live request holds) and changes nothing. Returns
+        whether a mismatch was counted."""
         cached = check_int("cached_tokens", cached_tokens, minimum=0)
         req = self.requests.get(request_id)
         if req is None or req.state not in HOLDING_STATES:
-            return
+            return False
         blocks = cached // self.capacity.block_size
-        if blocks < req.shared_at_grant:
-            req.stats.prefix_mismatches += 1
-            self.ledger.unshare(req, blocks)
+        if blocks >= req.shared_at_grant:
+            return False
+        req.stats.prefix_mismatches += 1
+        self.ledger.unshare(req, blocks)
+        return True
 
     # == the pump ==================================================================================
 

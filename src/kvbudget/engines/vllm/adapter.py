@@ -803,6 +803,10 @@ class _Prepared:
 # == the public adapter ============================================================================
 
 
+#: the most parallel samples (``n``) one request may ask for: each is a budget request of its own
+MAX_PARALLEL_SAMPLES = 16
+
+
 class BudgetedEngine:
     """A vLLM ``AsyncLLM`` behind a kvbudget :class:`~kvbudget.Budget`.
 
@@ -874,8 +878,6 @@ class BudgetedEngine:
         #: vLLM shares the full blocks of equal prompt prefixes (on by default): requests name
         #: their prompt's block hashes, and the budget charges a shared block once
         self.prefix_caching = bool(getattr(cache, "enable_prefix_caching", False))
-        #: first outputs whose cached prompt tokens were fewer than the budget counted shared
-        self.prefix_mismatches = 0
         #: prompt tokens vLLM reported it found in its prefix cache (first segments)
         self.prefix_cached_tokens = 0
         #: the kvbudget Budget that owns the promises
@@ -1141,18 +1143,20 @@ class BudgetedEngine:
         self.prefix_cached_tokens += cached_tokens
         sched = self.budget.scheduler
         req = sched.requests.get(request_id)
-        if req is None:
-            return
-        before = req.stats.prefix_mismatches
-        sched.note_cached(request_id, cached_tokens)
-        if req.stats.prefix_mismatches != before:
-            self.prefix_mismatches += 1
+        expected = req.shared_at_grant if req is not None else 0
+        if sched.note_cached(request_id, cached_tokens):
             log.info(
                 "vllm_prefix_mismatch",
                 request_id=request_id,
                 cached_tokens=cached_tokens,
-                expected_blocks=req.shared_at_grant,
+                expected_blocks=expected,
             )
+
+    @property
+    def prefix_mismatches(self) -> int:
+        """First outputs whose cached prompt tokens were fewer than the budget counted shared
+        (the core's ``prefix_mismatches`` counter over every class and tenant)."""
+        return sum(c.prefix_mismatches for c in self.budget.scheduler.counters.values())
 
     def _check_vocabulary(self, prompt_ids: list[int]) -> None:
         """vLLM's own vocabulary check (``renderer.validate_token_ids``), before the budget
@@ -1247,13 +1251,18 @@ class BudgetedEngine:
         if isinstance(n, int) and not isinstance(n, bool) and n > 1:
             return self._fan_out(args, n, arrive_now)
         if arrive_now:
-            prepared = self._prepare(*args, arrive_now=True)
-            stream = self._stream(prepared)
-            # dropped unstarted, the stream never runs its cleanup (the budget gives the
-            # lease up the same way: Budget.generate)
-            weakref.finalize(stream, self._forget_unstarted, prepared.reng)
-            return stream
+            return self._arrive_now(args)
         return self._generate_lazily(args)
+
+    def _arrive_now(self, args: tuple[Any, ...]) -> AsyncGenerator[Any, None]:
+        """``args``' request prepared and arrived at the budget now; its stream, not started."""
+        prepare: Any = self._prepare  # (args are its parameters, in order)
+        prepared = prepare(*args, arrive_now=True)
+        stream = self._stream(prepared)
+        # dropped unstarted, the stream never runs its cleanup (the budget gives the lease up
+        # the same way: Budget.generate)
+        weakref.finalize(stream, self._forget_unstarted, prepared.reng)
+        return stream
 
     # -- n > 1: parallel samples of one prompt --------------------------------------------------
 
@@ -1266,6 +1275,10 @@ class BudgetedEngine:
         All or none are admitted (``arrive_now``: an Overloaded child gives the others up)."""
 
         prompt, params, request_id = args[0], args[1], args[2]
+        if n > MAX_PARALLEL_SAMPLES:
+            raise InvalidInput(
+                "sampling_params.n", n, f"at most {MAX_PARALLEL_SAMPLES} parallel samples"
+            )
         if not isinstance(request_id, str) or not request_id:
             raise InvalidInput("request_id", request_id, "a non-empty string")
         if request_id in self._parents:
@@ -1280,18 +1293,9 @@ class BudgetedEngine:
             if params.seed is not None:
                 child.seed = params.seed + i  # vLLM's ParentRequest does the same
             children.append((f"{i}_{request_id}", child))
-        if arrive_now:
-            streams = []
-            prepare: Any = self._prepare  # (args[3:] are its other parameters, in order)
-            for cid, child in children:  # (dropped unstarted, a child gives its lease up)
-                prepared = prepare(prompt, child, cid, *args[3:], arrive_now=True)
-                stream = self._stream(prepared)
-                weakref.finalize(stream, self._forget_unstarted, prepared.reng)
-                streams.append(stream)
-        else:
-            streams = [
-                self._generate_lazily((prompt, child, cid, *args[3:])) for cid, child in children
-            ]
+        start = self._arrive_now if arrive_now else self._generate_lazily
+        # (an Overloaded child drops the ones before it unstarted: each gives its lease up)
+        streams = [start((prompt, child, cid, *args[3:])) for cid, child in children]
         self._parents[request_id] = [cid for cid, _ in children]
         return self._merge(request_id, streams, kind)
 
@@ -1562,6 +1566,7 @@ def _aborted_output(
 __all__ = [
     "DEFAULT_SLACK_TOKENS",
     "ENGINE_KWARGS",
+    "MAX_PARALLEL_SAMPLES",
     "BudgetedEngine",
     "EngineStats",
     "RequestAborted",
