@@ -26,6 +26,7 @@ pytestmark = pytest.mark.vllm
 
 KV_BLOCKS = 24  # 23 usable blocks of 32 tokens
 MAX_MODEL_LEN = 736
+DISCONNECT_ATTEMPTS = 10  # tries at leaving a stream half-way before it ends by itself
 START_TIMEOUT_S = 180.0
 
 
@@ -228,24 +229,35 @@ def test_overload_is_429_with_retry_after_and_never_an_error_after_200(
 
 
 def test_disconnect_mid_stream_returns_the_blocks(server: dict[str, Any]) -> None:
+    """A client that leaves at its first chunk: the engine request is aborted (counted as
+    cancelled) and every block comes back. On a loaded machine the stream may be over before
+    the close reaches the server (the rest sits in socket buffers); such an attempt proves
+    nothing and is repeated."""
     import httpx
 
-    _wait_idle(server)
-    before = _snapshot(server)["totals"]["cancelled"]
-    body = {"model": "tiny", "prompt": "go", "max_tokens": 600, "ignore_eos": True,
-            "stream": True}
-    with httpx.Client(timeout=60, trust_env=False) as client, client.stream(
-        "POST", f"{server['url']}/v1/completions", json=body
-    ) as r:
-        assert r.status_code == 200
-        first = ""
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                first = line
-                break  # leave after the first chunk
-    snap = _wait_idle(server)
-    assert snap["reserved_blocks"] == 0
-    assert snap["totals"]["cancelled"] == before + 1, (first[:200], json.dumps(snap["totals"]))
+    tried: list[str] = []
+    for _attempt in range(DISCONNECT_ATTEMPTS):
+        idle = _wait_idle(server)["totals"]
+        body = {"model": "tiny", "prompt": "go", "max_tokens": 700, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(timeout=60, trust_env=False) as client, client.stream(
+            "POST", f"{server['url']}/v1/completions", json=body
+        ) as r:
+            assert r.status_code == 200
+            first = ""
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    first = line
+                    break  # leave after the first chunk
+        snap = _wait_idle(server)
+        delta = {k: snap["totals"][k] - idle[k] for k in ("completed", "cancelled")}
+        tried.append(f"{delta} after first chunk {first[:80]!r}")
+        if delta["completed"]:
+            continue  # it ended before the close reached the server: again
+        assert snap["reserved_blocks"] == 0, json.dumps(snap)
+        assert delta["cancelled"] == 1, (first[:200], json.dumps(snap["totals"]))
+        return
+    pytest.fail(f"no stream was left half-way in {DISCONNECT_ATTEMPTS} attempts: {tried}")
 
 
 def test_metrics_carry_vllms_and_kvbudgets(server: dict[str, Any]) -> None:
