@@ -597,6 +597,90 @@ def test_overload_rejects_with_retry_after_when_the_wait_exceeds_the_deadline() 
     assert not of(s.arrive("patient", spec(prompt=4, max_tokens=4, deadline=500.0), 3.0), ev.Reject)
 
 
+def _pessimistic_waits(s: Scheduler, rounds: int) -> float:
+    """``rounds`` callers each queued behind a full cache with a forecast wait, then admitted at
+    once by a release that comes long before the forecast said; returns the last forecast."""
+    t = 10.0
+    forecast = 0.0
+    for k in range(rounds):
+        s.arrive(f"hold{k}", spec(prompt=4, max_tokens=28), t)  # the whole cache (8 blocks)
+        s.arrive(f"next{k}", spec(prompt=4, max_tokens=28), t)
+        forecast = s.requests[f"next{k}"].wait_forecast
+        assert forecast > 0.0
+        s.charge(f"hold{k}", 28, t)
+        s.finish(f"hold{k}", "stop", t)
+        admitted = of(s.confirm_release(f"hold{k}", t + 0.1 * forecast), ev.Admit, f"next{k}")
+        assert admitted
+        s.charge(f"next{k}", 28, t + 0.1 * forecast)
+        s.finish(f"next{k}", "stop", t + 0.1 * forecast)
+        s.confirm_release(f"next{k}", t + 0.1 * forecast)
+        t += 0.1 * forecast + 0.01
+    return forecast
+
+
+def _release_rate(s: Scheduler) -> None:
+    for k in range(3):  # one request of 8 blocks per second
+        s.arrive(f"w{k}", spec(prompt=4, max_tokens=28), float(k))
+        s.charge(f"w{k}", 28, float(k))
+        s.finish(f"w{k}", "stop", float(k))
+        s.confirm_release(f"w{k}", float(k) + 0.5)
+
+
+@pytest.mark.parametrize("quantile", [0.2, None])
+def test_turn_away_at_arrival_learns_a_pessimistic_wait_forecast(quantile: float | None) -> None:
+    """Callers forecast to wait were each admitted at a tenth of the forecast: the turn-away at
+    arrival reads that ratio (at ``turn_away_wait_quantile``) and queues a caller whose raw
+    forecast is just past its bound; with the quantile off, the raw forecast turns it away."""
+    from kvbudget.core.forecast import MIN_WAIT_RATIOS
+
+    config = SchedulerConfig(turn_away_wait_quantile=quantile)
+    s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront(), config=config)
+    _release_rate(s)
+    assert s.snapshot().wait_forecast_ratio == 1.0  # nothing learned yet
+    _pessimistic_waits(s, MIN_WAIT_RATIOS)
+    snap = s.snapshot()
+    assert snap.wait_forecast_samples == MIN_WAIT_RATIOS
+    t = s.now + 0.01
+    s.arrive("hog", spec(prompt=4, max_tokens=28), t)
+    s.arrive("ahead", spec(prompt=4, max_tokens=28), t)
+    wait = s.requests["ahead"].wait_forecast
+    out = s.arrive("edge", spec(prompt=4, max_tokens=28, deadline=wait * 1.5), t)
+    if quantile is None:
+        assert snap.wait_forecast_ratio == 1.0
+        assert of(out, ev.Reject, "edge")[0].reason == "deadline"
+    else:
+        assert snap.wait_forecast_ratio == pytest.approx(0.1, rel=0.05)
+        assert not of(out, ev.Reject) and s.requests["edge"].state is State.QUEUED
+        # a forecast far past the bound is still told at once
+        far = s.arrive("far", spec(prompt=4, max_tokens=28, deadline=wait * 0.05), t)
+        assert of(far, ev.Reject, "far")[0].reason == "deadline"
+
+
+def test_a_caller_timed_out_in_the_queue_counts_its_wait_as_a_lower_bound() -> None:
+    """A queued caller turned away at its bound teaches the forecast that real waits run at
+    least that long: after callers that waited out twice their forecast, the ratio read is >= 2
+    (a forecast that runs optimistic turns callers away sooner, not later)."""
+    from kvbudget.core.forecast import MIN_WAIT_RATIOS
+
+    s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
+    _release_rate(s)
+    t = 10.0
+    for k in range(MIN_WAIT_RATIOS):
+        s.arrive(f"hold{k}", spec(prompt=4, max_tokens=28), t)
+        out = s.arrive(f"late{k}", spec(prompt=4, max_tokens=28, deadline=100.0), t)
+        assert not of(out, ev.Reject)
+        req = s.requests[f"late{k}"]
+        bound = 2.5 * req.wait_forecast
+        req.expiry = t + bound  # (its queue bound, as a class's max_queue_delay_s sets it)
+        s.queues.note_expiry(req)
+        assert of(s.tick(t + bound + 0.01), ev.Reject, f"late{k}")[0].reason == "queue-timeout"
+        s.charge(f"hold{k}", 28, t + bound)
+        s.finish(f"hold{k}", "stop", t + bound)
+        s.confirm_release(f"hold{k}", t + bound)
+        t += bound + 0.02
+    assert s.snapshot().wait_forecast_ratio >= 2.0
+
+
 def test_queue_timeout_rejects_via_tick() -> None:
     s = Scheduler(Capacity(4, 4), policy=ReserveMaxFront())
     s.arrive("hog", spec(prompt=4, max_tokens=12, cls="interactive"), 0.0)

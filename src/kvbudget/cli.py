@@ -328,6 +328,15 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "output length could no longer finish by it; off: at the deadline itself "
         "(SchedulerConfig.deadline_service_quantile, default: %(default)s)",
     )
+    g.add_argument(
+        "--turn-away-wait-quantile",
+        type=_service_quantile,
+        default=0.2,
+        metavar="Q|off",
+        help="turn away a newcomer on its estimated wait only when the estimate scaled by the "
+        "Q-quantile of recent real / estimated waits still passes its bound; off: on the raw "
+        "estimate (SchedulerConfig.turn_away_wait_quantile, default: %(default)s)",
+    )
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     g.add_argument("--plot", metavar="PATH", help="write a PNG chart")
@@ -432,6 +441,7 @@ def _simulate(args: argparse.Namespace) -> int:
     config = SchedulerConfig(
         turn_away_late_first_tokens=turn_away,
         deadline_service_quantile=args.deadline_service_quantile,
+        turn_away_wait_quantile=args.turn_away_wait_quantile,
     )
     try:
         engine = _engine_from(args)
@@ -476,6 +486,7 @@ def _simulate(args: argparse.Namespace) -> int:
                     **scenario.to_dict(),
                     "turn_away_late_first_tokens": args.turn_away_late_first_tokens,
                     "deadline_service_quantile": args.deadline_service_quantile,
+                    "turn_away_wait_quantile": args.turn_away_wait_quantile,
                 },
                 engine=engine.to_dict(),
                 rate_scale=scenario.rate_scale,

@@ -317,6 +317,8 @@ SNAPSHOT_SCALARS: Final[tuple[str, ...]] = (
     "drift_blocks",
     "shared_prefix_blocks",
     "engine_preemptions",
+    "wait_forecast_ratio",
+    "wait_forecast_samples",
 )
 
 
@@ -449,6 +451,15 @@ GAUGES: Final[Mapping[str, tuple[str, str]]] = {
     "shared_prefix_blocks": (
         "shared_prefix_blocks",
         "Prompt blocks charged once for every live request that shares them.",
+    ),
+    "wait_forecast_ratio": (
+        "wait_forecast_ratio",
+        "What a forecast wait for admission is scaled by before a caller is turned away on it "
+        "(a low quantile of recent real / forecast waits; 1 until calibrated).",
+    ),
+    "wait_forecast_samples": (
+        "wait_forecast_samples",
+        "Real / forecast wait ratios the turn-away at arrival reads.",
     ),
 }
 

@@ -46,6 +46,13 @@ class SchedulerConfig:
     it could no longer finish it by the deadline: the deadline less its predicted prefill and
     decode, at this quantile of its output-length distribution and the current step time
     (None: it is turned away at the deadline itself).
+    ``turn_away_wait_quantile``: a caller whose forecast wait for admission exceeds what it may
+    wait is turned away at arrival ("deadline") only if it is at least this unlikely to be
+    admitted in time: the forecast is scaled by this quantile of the recent ratios of the waits
+    callers really had to the waits forecast for them (the last ``wait_ratio_window``; a caller
+    turned away at its queue bound counts with the wait it had, a lower bound), so a forecast
+    that runs pessimistic on the live workload stops turning away callers it could serve. Until
+    ``MIN_WAIT_RATIOS`` ratios were seen the forecast is taken as it is. None: always as it is.
     ``arrival_rate_window_s``: time constant of the estimate of the prompt tokens per second
     that callers under a first-token objective bring (:meth:`Scheduler.first_token_prefill_rate`),
     which a policy may keep room for in the engine's prefill queue.
@@ -66,6 +73,10 @@ class SchedulerConfig:
         validator=one_of(None, True, False, expected="None (automatic), True or False"),
     )
     arrival_rate_window_s: float = attrs.field(default=10.0, validator=seconds())
+    turn_away_wait_quantile: float | None = attrs.field(
+        default=0.2, validator=optional(quantile())
+    )
+    wait_ratio_window: int = attrs.field(default=256, validator=integer(1, 1 << 20))
     deadline_service_quantile: float | None = attrs.field(
         default=0.5, validator=optional(quantile())
     )

@@ -1,8 +1,9 @@
 """The forecast: when blocks come back, how long a caller would wait, when a queued request is
 turned away, what it is told to retry after, and whether its first token would be late.
 
-It learns from three streams the scheduler feeds it (blocks released, the prompt tokens of
-callers under a first-token objective, whether each first token met its objective); it is handed
+It learns from four streams the scheduler feeds it (blocks released, the prompt tokens of
+callers under a first-token objective, whether each first token met its objective, and how long
+queued callers really waited against the wait forecast for them); it is handed
 the scheduler's queues and configuration, and reads the rest of the scheduler through
 :class:`~kvbudget.core.view.SchedulerView`. It decides nothing: the scheduler turns callers away
 on its answers.
@@ -11,6 +12,7 @@ on its answers.
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import TYPE_CHECKING
 
 from kvbudget.core.lifecycle import Request, State
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
 # (an exponential average with this weight per first token, ~100 of them) missed the objective
 LATE_SHARE_ON = 0.05
 LATE_ALPHA = 0.01
+#: ratios of real to forecast waits needed before the turn-away at arrival reads them
+MIN_WAIT_RATIOS = 16
 
 
 class DecayingRate:
@@ -63,7 +67,16 @@ class DecayingRate:
 class Forecast:
     """Rates, waits, expiries and first-token lateness (module docstring)."""
 
-    __slots__ = ("_config", "_ft_prompts", "_queues", "_releases", "_s", "late_first_token_share")
+    __slots__ = (
+        "_config",
+        "_ft_prompts",
+        "_queues",
+        "_ratio_at",
+        "_releases",
+        "_s",
+        "_wait_ratios",
+        "late_first_token_share",
+    )
 
     def __init__(self, view: SchedulerView, queues: Queues, config: SchedulerConfig) -> None:
         self._s = view
@@ -74,6 +87,10 @@ class Forecast:
         self._ft_prompts = DecayingRate(config.arrival_rate_window_s, warm_up=False)
         #: exponential average of how many recent first tokens missed their objective
         self.late_first_token_share = 0.0
+        # real / forecast waits of recent queued callers, and the quantile read off them (None:
+        # to be recomputed; a sort of at most ``wait_ratio_window`` floats, at arrivals only)
+        self._wait_ratios: deque[float] = deque(maxlen=config.wait_ratio_window)
+        self._ratio_at: float | None = None
 
     # -- what it learns from -------------------------------------------------------------------
 
@@ -91,6 +108,13 @@ class Forecast:
 
     def note_release(self, blocks: int, now: float) -> None:
         self._releases.add(blocks, now)
+
+    def note_waited(self, forecast: float, waited: float) -> None:
+        """A queued caller forecast to wait ``forecast`` seconds was admitted, or turned away at
+        its bound, after ``waited`` (then a lower bound of its wait)."""
+        if forecast > 0.0:
+            self._wait_ratios.append(max(0.0, waited) / forecast)
+            self._ratio_at = None
 
     # -- what it answers -----------------------------------------------------------------------
 
@@ -198,6 +222,30 @@ class Forecast:
         if rate <= 0.0:
             return 0.0 if s.active + s.releasing == 0 else self._config.min_retry_after_s
         return deficit / rate
+
+    @property
+    def wait_ratio_samples(self) -> int:
+        """How many real / forecast wait ratios the turn-away at arrival reads now."""
+        return len(self._wait_ratios)
+
+    def wait_ratio(self) -> float:
+        """The ``turn_away_wait_quantile`` of the recent real / forecast wait ratios: what a
+        forecast wait is scaled by before a caller is turned away on it (1.0: not calibrated,
+        with fewer than ``MIN_WAIT_RATIOS`` ratios seen or the quantile off)."""
+        q = self._config.turn_away_wait_quantile
+        ratios = self._wait_ratios
+        if q is None or len(ratios) < MIN_WAIT_RATIOS:
+            return 1.0
+        if self._ratio_at is None:
+            ordered = sorted(ratios)
+            self._ratio_at = ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        return self._ratio_at
+
+    def turns_away(self, wait: float, bound: float | None) -> bool:
+        """Is a caller forecast to wait ``wait`` seconds, who may wait ``bound``, turned away at
+        arrival? Only when even at the calibrated ratio its wait exceeds the bound
+        (``turn_away_wait_quantile``)."""
+        return wait > 0.0 and bound is not None and wait * self.wait_ratio() > bound
 
     def clamp_retry(self, wait: float) -> float:
         """``wait`` as callers are told it: within ``[min_retry_after_s, max_retry_after_s]``."""

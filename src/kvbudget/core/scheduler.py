@@ -250,9 +250,9 @@ class Scheduler:
         # the service forecast of a deadline only matters to a caller that waits: one admitted
         # at once skips it (it is most of an arrival's cost), one that stays queued gets it below
         req.expiry = forecast.queue_expiry(req, service=wait > 0.0)
-        bound = forecast.wait_bound(req, now)
-        if wait > 0.0 and bound is not None and wait > bound:
+        if forecast.turns_away(wait, forecast.wait_bound(req, now)):
             return [self._reject_new(req, wait, "deadline")]
+        req.wait_forecast = wait
         self.requests[request_id] = req
         self.queues.push(req)
         actions = self._pump(now)
@@ -587,6 +587,10 @@ class Scheduler:
         self._dequeue(req)
         if req.state is State.CHECKPOINTED:
             return self._expire(req, self.config.min_retry_after_s, "deadline")
+        if req.wait_forecast:
+            # what it waited until now: its wait where it reached admission, a lower bound of it
+            # where its bound ran out first
+            self.forecast.note_waited(req.wait_forecast, self.now - req.arrival)
         lifecycle.transition(req, Trigger.REJECT)
         lifecycle.settle(req, Outcome.REJECTED)
         self._count_rejection(reason)
@@ -916,6 +920,9 @@ class Scheduler:
                     actions.append(self._turn_away(req, "queue-timeout"))
                     continue
                 queue.pop(req)
+                if req.wait_forecast:
+                    self.forecast.note_waited(req.wait_forecast, now - req.arrival)
+                    req.wait_forecast = 0.0
                 self._grant(req, boundary, allowance, now, actions)
 
     def _may_admit(
@@ -1112,6 +1119,8 @@ class Scheduler:
             drift_blocks=self.drift,
             shared_prefix_blocks=len(led.shared),
             rejections_by_reason=dict(self.rejections_by_reason),
+            wait_forecast_ratio=self.forecast.wait_ratio(),
+            wait_forecast_samples=self.forecast.wait_ratio_samples,
         )
 
     def queued(self) -> int:

@@ -159,6 +159,11 @@ class Snapshot:
     #: the engine's own preemptions, where the adapter can count them (vLLM: Σ
     #: ``num_preempted_reqs``; None: not known)
     engine_preemptions: int | None = None
+    #: what a forecast wait for admission is scaled by before a caller is turned away on it
+    #: (``SchedulerConfig.turn_away_wait_quantile`` of the recent real / forecast waits; 1.0
+    #: until enough were seen), and how many such ratios it reads
+    wait_forecast_ratio: float = 1.0
+    wait_forecast_samples: int = 0
 
     # convenience accessors for the DESIGN §9 names
     @property
