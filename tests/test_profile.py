@@ -1,5 +1,6 @@
 """Engine profiles: the step-time fit recovers a known engine, profiles round-trip through JSON,
-bad files get typed errors, and ``kvbudget simulate --engine-profile`` runs on one."""
+bad files get typed errors, ``kvbudget simulate --engine-profile`` runs on one, and the shipped GPU
+profile reproduces the public measurement it was fitted from."""
 
 from __future__ import annotations
 
@@ -157,3 +158,132 @@ def test_simulate_reads_an_engine_profile(tmp_path: pathlib.Path) -> None:
         "calibrated", "--limit", "60", "--quiet", "--json", str(out),
     ])
     assert json.loads(out.read_text())["engine"]["capacity_blocks"] == 500
+
+
+# The GPU profile, vllm-l4-qwen2.5-0.5b, against the measurement it was fitted from: vLLM 0.23.0
+# (V1) on one NVIDIA L4, Qwen/Qwen2.5-0.5B-Instruct BF16, `vllm bench serve` in a closed loop at
+# fixed max-concurrency, 256 prompt and 128 output tokens (--ignore-eos), published at
+# https://ai.wmx.dev/benchmarks. Per concurrency, as published: (C, req/s, output tok/s,
+# TTFT p50 ms, ITL p50 ms, E2E p50 ms).
+L4_PROFILE = "vllm-l4-qwen2.5-0.5b"
+L4_SWEEP = [
+    (1, 1.3, 168, 27.0, 5.1, 679),
+    (2, 2.9, 367, 37.8, 5.2, 698),
+    (4, 5.4, 698, 50.1, 5.3, 722),
+    (8, 10.2, 1312, 60.9, 5.5, 772),
+    (16, 17.8, 2277, 103.8, 6.0, 880),
+    (32, 29.5, 3773, 135.3, 7.1, 1082),
+]
+L4_PROMPT, L4_OUTPUT = 256, 128
+#: context a sequence holds at the median decode step of a closed loop: prompt + output / 2
+L4_CONTEXT = L4_PROMPT + L4_OUTPUT // 2
+#: K and V bytes per token (2 x 24 layers x 2 KV heads x 64 dims x 2 bytes) and the L4's bandwidth
+L4_KV_BYTES, L4_BANDWIDTH = 2 * 24 * 2 * 64 * 2, 300e9
+
+
+def _l4_decode_phase(c: int, rps: float, e2e_ms: float, ttft_ms: float) -> tuple[float, float]:
+    """(seconds from first to last token, prompt tokens prefilled meanwhile) at concurrency c,
+    read off the published p50s."""
+    seconds = (e2e_ms - ttft_ms) / 1e3
+    return seconds, rps * seconds * L4_PROMPT
+
+
+def test_the_l4_profile_reproduces_the_published_decode_step() -> None:
+    # ITL p50 is a decode step without a prefill in it: within 5 % at every concurrency
+    step = EngineProfile.load(L4_PROFILE).step
+    for c, _, _, _, itl_ms, _ in L4_SWEEP:
+        assert step.decode_time(c, c * L4_CONTEXT) == pytest.approx(itl_ms / 1e3, rel=0.05), c
+
+
+def test_the_l4_profile_reproduces_the_published_tpot_with_prefill_interference() -> None:
+    # the mean gap between tokens, (E2E - TTFT) / 127, is the decode step stretched by the
+    # prefills of the requests that arrive meanwhile (each shares a step): within 5 %
+    step = EngineProfile.load(L4_PROFILE).step
+    for c, rps, _, ttft_ms, _, e2e_ms in L4_SWEEP:
+        seconds, _ = _l4_decode_phase(c, rps, e2e_ms, ttft_ms)
+        interference = rps * L4_PROMPT * step.prefill_per_token_s  # prefill s per second
+        predicted = (L4_OUTPUT - 1) * step.decode_time(c, c * L4_CONTEXT) / (1.0 - interference)
+        assert predicted / (L4_OUTPUT - 1) == pytest.approx(
+            seconds / (L4_OUTPUT - 1), rel=0.05
+        ), c
+
+
+def test_the_l4_profile_fits_the_published_throughput_in_the_engines_time() -> None:
+    # at each concurrency the engine's work per second (output tokens / C decode steps, plus the
+    # prefills) fits in one second; the prefill cost TTFT at C=1 alone would give does not
+    step = EngineProfile.load(L4_PROFILE).step
+
+    def busy(prefill_per_token_s: float, c: int, rps: float, tokens_per_s: float) -> float:
+        steps = tokens_per_s / c
+        return steps * step.decode_time(c, c * L4_CONTEXT) + rps * L4_PROMPT * prefill_per_token_s
+
+    ttft_c1 = L4_SWEEP[0][3] / 1e3
+    from_ttft = (ttft_c1 - step.fixed_s) / L4_PROMPT
+    for c, rps, tokens_per_s, *_ in L4_SWEEP:
+        assert busy(step.prefill_per_token_s, c, rps, tokens_per_s) <= 1.0, c
+        if c >= 2:
+            assert busy(from_ttft, c, rps, tokens_per_s) > 1.0, c
+
+
+def test_the_l4_profiles_first_token_at_concurrency_1() -> None:
+    # one prefill step of the 256-token prompt: 6.5 ms of the published 27.0 ms TTFT p50; the
+    # other 20.5 ms are per-request work outside the engine's steps (HTTP, tokenizing,
+    # detokenizing, streaming, the client), which a step-time model has no term for
+    step = EngineProfile.load(L4_PROFILE).engine_model().step
+    engine_s = step.fixed_s + step.prefill_time(L4_PROMPT)
+    ttft_c1 = L4_SWEEP[0][3] / 1e3
+    assert engine_s == pytest.approx(0.0065, abs=0.0005)
+    assert ttft_c1 - engine_s == pytest.approx(0.0205, abs=0.0005)
+
+
+def test_the_l4_profile_is_what_the_documented_fit_gives() -> None:
+    prof = EngineProfile.load(L4_PROFILE)
+    per_ctx = L4_KV_BYTES / L4_BANDWIDTH
+    # decode: least squares of ITL p50 less the KV-traffic term on fixed + per_seq * C
+    xs = [float(c) for c, *_ in L4_SWEEP]
+    ys = [itl / 1e3 - per_ctx * c * L4_CONTEXT for c, _, _, _, itl, _ in L4_SWEEP]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    per_seq = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    fixed = my - per_seq * mx
+    # prefill: through the origin, decode-phase time left by 127 decode steps per prompt token
+    num = den = 0.0
+    for c, rps, _, ttft_ms, _, e2e_ms in L4_SWEEP:
+        seconds, tokens = _l4_decode_phase(c, rps, e2e_ms, ttft_ms)
+        rest = seconds - (L4_OUTPUT - 1) * (fixed + per_seq * c + per_ctx * c * L4_CONTEXT)
+        num += tokens * rest
+        den += tokens * tokens
+    assert prof.step.per_context_token_s == pytest.approx(per_ctx, rel=1e-3)
+    assert prof.step.fixed_s == pytest.approx(fixed, rel=1e-3)
+    assert prof.step.per_seq_s == pytest.approx(per_seq, rel=1e-3)
+    assert prof.step.prefill_per_token_s == pytest.approx(num / den, rel=1e-2)
+    # KV blocks: 0.6 of the card's 22.5 GiB less 0.92 GiB of weights (494,032,768 BF16
+    # parameters) and 0.5 GiB of activations, in 16-token blocks
+    kv_bytes = 0.6 * 22.5 * 2**30 - 494_032_768 * 2 - 0.5 * 2**30
+    assert prof.capacity_blocks == int(kv_bytes // (16 * L4_KV_BYTES))
+    assert prof.block_size == 16 and prof.max_batch == 256 and prof.prefill_chunk_tokens == 2048
+    # the source's KV-cache peak, 1.1 %: 32 requests of at most 384 tokens hold at most 768
+    # blocks, 1.2 % of the profile's
+    assert 32 * ((L4_PROMPT + L4_OUTPUT) // 16) / prof.capacity_blocks < 0.012
+
+
+def test_simulate_runs_the_l4_profile_by_name(tmp_path: pathlib.Path) -> None:
+    from kvbudget.cli import main
+
+    prof = EngineProfile.load(L4_PROFILE)
+    out = tmp_path / "r.json"
+    main([
+        "simulate", "--engine-profile", L4_PROFILE, "--policy", "calibrated", "--limit", "60",
+        "--quiet", "--json", str(out),
+    ])
+    report = json.loads(out.read_text())
+    engine = report["engine"]
+    assert engine["capacity_blocks"] == prof.capacity_blocks and engine["block_size"] == 16
+    assert engine["max_batch"] == 256 and engine["prefill_chunk_tokens"] == 2048
+    assert engine["step_fixed_s"] == pytest.approx(prof.step.fixed_s)
+    assert engine["prefill_per_token_s"] == pytest.approx(prof.step.prefill_per_token_s)
+    run = report["policies"]["calibrated"]
+    assert run["completed"] + run["abandoned"] + run["rejected"] == run["requests"] == 60
+    # a small model's engine: its decode steps are a few milliseconds
+    assert prof.step.fixed_s < run["itl_p50_s"] < 0.02
