@@ -308,7 +308,10 @@ class ServerSpec:
         """Does the server carry a kvbudget budget (``/kvbudget/snapshot``)?"""
         return self.kind in ("kvbudget", "kvbudget-serve")
 
-    def argv(self, model_dir: Path, port: int, policy: str) -> list[str]:
+    def argv(
+        self, model_dir: Path, port: int, policy: str, example_args: Sequence[str] = ()
+    ) -> list[str]:
+        """The server's command line (``example_args``: appended to the example's)."""
         py = sys.executable
         if self.kind == "vllm":
             cmd = [
@@ -333,7 +336,7 @@ class ServerSpec:
             py, "examples/fastapi_server.py", "--model", str(model_dir),
             "--kv-blocks", str(KV_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN),
             "--max-num-seqs", str(MAX_NUM_SEQS), "--port", str(port),
-            "--served-model-name", SERVED_MODEL, "--policy", policy,
+            "--served-model-name", SERVED_MODEL, "--policy", policy, *example_args,
         ]
 
 
@@ -1354,6 +1357,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", action="append", choices=list(WORKLOADS), default=None,
                    help="repeatable; default all, in the order " + ", ".join(WORKLOADS))
     p.add_argument("--policy", default="calibrated", help="kvbudget policy (default calibrated)")
+    p.add_argument("--example-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument of the example server (repeatable; e.g. "
+                        "--example-arg=--turn-away-wait-quantile --example-arg=off)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help=f"first server port (each server kind takes the next; default "
                         f"{DEFAULT_PORT})")
@@ -1414,7 +1420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with output_dir(opts.out) as out_dir:
         for index, spec in enumerate(specs):
             port = opts.port + index
-            argv_ = spec.argv(opts.model, port, opts.policy)
+            argv_ = spec.argv(opts.model, port, opts.policy, opts.example_arg)
             log_path = out_dir / f"server-{spec.name}.log"
             meta: dict[str, Any] = {"argv": argv_[1:], "port": port}
             servers_meta[spec.name] = meta

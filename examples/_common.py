@@ -61,6 +61,18 @@ def configure_logging(level: int | str = logging.INFO) -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
 
 
+def _quantile_or_off(text: str) -> float | None:
+    if text == "off":
+        return None
+    try:
+        q = float(text)
+    except ValueError:
+        q = math.nan
+    if not 0.0 < q < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a quantile in (0, 1) or 'off', got {text!r}")
+    return q
+
+
 def make_parser(description: str, default_port: int) -> argparse.ArgumentParser:
     """The command line both servers share."""
     p = argparse.ArgumentParser(description=description)
@@ -83,6 +95,12 @@ def make_parser(description: str, default_port: int) -> argparse.ArgumentParser:
         "--max-queue-delay", type=float, default=None, metavar="SECONDS",
         help="how long an interactive caller may wait for admission before it is told to retry "
              "(HTTP 429 / RESOURCE_EXHAUSTED); default: the interactive class's 2 s",
+    )
+    p.add_argument(
+        "--turn-away-wait-quantile", type=_quantile_or_off, default=0.2, metavar="Q|off",
+        help="a newcomer is told to retry on its estimated wait only when the estimate scaled "
+             "by this quantile of recent real / estimated waits still passes its bound; off: on "
+             "the raw estimate (SchedulerConfig.turn_away_wait_quantile; default 0.2)",
     )
     p.add_argument(
         "--build-tiny-model", action="store_true",
@@ -165,11 +183,11 @@ async def running_engine(args: argparse.Namespace) -> AsyncIterator[Any]:
     if args.max_queue_delay is not None:
         classes = [attrs.evolve(INTERACTIVE, max_queue_delay_s=args.max_queue_delay), BATCH]
     keys = api_keys(args)
-    config = None
+    config = SchedulerConfig(turn_away_wait_quantile=args.turn_away_wait_quantile)
     known: frozenset[str] = frozenset()
     if keys is not None:
         keys.check_classes(c.name for c in classes)
-        config = SchedulerConfig(tenant_weights=keys.tenant_weights())
+        config = attrs.evolve(config, tenant_weights=keys.tenant_weights())
         known = keys.tenants
     engine = BudgetedEngine.from_engine_args(
         engine_args(args), classes=classes, policy=args.policy, model=model_name(args),

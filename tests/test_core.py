@@ -681,6 +681,20 @@ def test_a_caller_timed_out_in_the_queue_counts_its_wait_as_a_lower_bound() -> N
     assert s.snapshot().wait_forecast_ratio >= 2.0
 
 
+def test_a_wait_told_before_any_release_is_not_learned_from() -> None:
+    """Before any block came back there is no release rate: the wait a queued caller is told is
+    a placeholder, and its real wait says nothing about the forecast's error."""
+    s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
+    s.arrive("hold", spec(prompt=4, max_tokens=28), 0.0)  # the whole cache, never released
+    for k in range(20):
+        t = 3.0 * k
+        out = s.arrive(f"cold{k}", spec(prompt=4, max_tokens=28, cls="interactive"), t)
+        assert not of(out, ev.Reject)
+        assert of(s.tick(t + 0.9), ev.Reject, f"cold{k}") == []
+        assert of(s.tick(t + 2.5), ev.Reject, f"cold{k}")  # its 2 s queue bound
+    assert s.snapshot().wait_forecast_samples == 0
+
+
 def test_queue_timeout_rejects_via_tick() -> None:
     s = Scheduler(Capacity(4, 4), policy=ReserveMaxFront())
     s.arrive("hog", spec(prompt=4, max_tokens=12, cls="interactive"), 0.0)

@@ -213,15 +213,21 @@ class Forecast:
 
     def estimated_wait(self, req: Request) -> float:
         """Seconds until ``req`` could be admitted, from the queue ahead and the release rate."""
+        return self.wait_estimate(req)[0]
+
+    def wait_estimate(self, req: Request) -> tuple[float, bool]:
+        """:meth:`estimated_wait`, and whether it was measured: False where no release was seen
+        yet (the wait is then ``min_retry_after_s``, a placeholder, not a forecast to learn the
+        error of)."""
         s = self._s
         deficit = self._queues.blocks_ahead(req.cls) + req.want_blocks - s.ledger.admission_free
         if deficit <= 0 and (self._config.max_active is None or s.active < self._config.max_active):
-            return 0.0
+            return 0.0, True
         deficit = max(deficit, 1)
         rate = self.release_rate(s.now)
         if rate <= 0.0:
-            return 0.0 if s.active + s.releasing == 0 else self._config.min_retry_after_s
-        return deficit / rate
+            return (0.0 if s.active + s.releasing == 0 else self._config.min_retry_after_s), False
+        return deficit / rate, True
 
     @property
     def wait_ratio_samples(self) -> int:

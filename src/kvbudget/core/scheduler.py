@@ -243,7 +243,7 @@ class Scheduler:
             return self._pump(now)
         forecast = self.forecast
         queued = self.queues.by_class[cls.name].count
-        wait = forecast.estimated_wait(req)
+        wait, measured = forecast.wait_estimate(req)
         if queued >= self.config.max_queued and (queued or wait > 0.0):
             # a full queue turns away callers that would wait, not one admitted at once
             return [self._reject_new(req, forecast.retry_after(req), "queue-full")]
@@ -252,7 +252,8 @@ class Scheduler:
         req.expiry = forecast.queue_expiry(req, service=wait > 0.0)
         if forecast.turns_away(wait, forecast.wait_bound(req, now)):
             return [self._reject_new(req, wait, "deadline")]
-        req.wait_forecast = wait
+        if measured:
+            req.wait_forecast = wait
         self.requests[request_id] = req
         self.queues.push(req)
         actions = self._pump(now)
