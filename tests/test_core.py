@@ -797,7 +797,7 @@ def test_caller_turned_away_when_its_first_token_would_come_late_behind_queued_p
     assert s.prefill_backlog == 1000
     out = s.arrive("b", spec(prompt=1000, max_tokens=10, cls="interactive"), 0.0)  # 2.01 s
     rej = of(out, ev.Reject, "b")
-    assert rej and rej[0].reason == "queue-timeout" and "b" not in s.requests
+    assert rej and rej[0].reason == "first-token-late" and "b" not in s.requests
     assert of(s.arrive("c", spec(prompt=500, max_tokens=10, cls="interactive"), 0.0), ev.Admit)
     assert s.prefill_backlog == 1500
     s.charge("a", 1, 1.0)

@@ -147,7 +147,7 @@ class Scheduler:
         self._active_by_floor: dict[float, int] = {}
         self.now = 0.0
         self.counters: dict[tuple[str, str], Counters] = {}
-        #: rejections by reason ("deadline", "queue-timeout", "too-large", ...)
+        #: rejections by reason ("deadline", "queue-timeout", "first-token-late", "too-large", ...)
         self.rejections_by_reason: dict[str, int] = {}
         self.policy.bind(self)
         self._refresh_headroom()
@@ -918,7 +918,7 @@ class Scheduler:
                     # behind the prefill already queued in the engine its first token would be
                     # late: a fast "overloaded" now, and its prefill is not taken from callers
                     # who can still be served in time
-                    actions.append(self._turn_away(req, "queue-timeout"))
+                    actions.append(self._turn_away(req, "first-token-late"))
                     continue
                 queue.pop(req)
                 if req.wait_forecast:

@@ -68,7 +68,8 @@ class BasePolicy:
     requeue_front: bool = True
     preempt_for_admission: bool = False
     #: kvbudget's own front: turn arrivals away when the queue ahead cannot be served within
-    #: their bound (429 "deadline", "queue-full"), time queued callers out ("queue-timeout"),
+    #: their bound (429 "deadline", "queue-full"), time queued callers out ("queue-timeout") or
+    #: turn them away at admission when their first token would be late ("first-token-late"),
     #: hold an admission that would slow an active stream past its latency floor, and order the
     #: queue by class priority then weighted tenant stride. It is kvbudget's, so only its own
     #: policies have it; a baseline (False) runs the engine's own queue: first come first served
