@@ -541,6 +541,15 @@ class ServerProcess:
             (out_dir / f"snapshot-{self.spec.name}.json").write_text(
                 json.dumps(snap, indent=1), encoding="utf-8"
             )
+        if self.spec.budgeted:
+            # the engine profile fitted from this server's steps over the whole run (the same
+            # engine settings as every server here): sim_vs_real --engine-profile run reads it
+            with contextlib.suppress(OSError, ValueError):
+                status, body = http_get(f"{self.base}/kvbudget/engine-profile")
+                if status == 200:
+                    (out_dir / f"engine-profile-{self.spec.name}.json").write_text(
+                        json.dumps(json.loads(body), indent=1), encoding="utf-8"
+                    )
 
     def wait_idle(self, timeout: float = IDLE_TIMEOUT_S) -> tuple[float, str | None]:
         """Poll until idle: (seconds waited, None) or (timeout, what was still busy)."""

@@ -34,8 +34,14 @@ Servers in the simulator: ``vllm`` is the ``reserve-current`` baseline (vLLM v1 
 cap, victims freed at once); ``kvbudget`` is the example's policy (``--policy``, default
 ``calibrated``) with the example's service classes (``kvbudget.DEFAULT_CLASSES``: every request
 is ``interactive``: TTFT objective 2 s, admission wait at most 2 s, latency floor 200 ms) and the
-default ``SchedulerConfig``. The engine is the fitted profile (``--engine-profile``, default the
-shipped ``vllm-cpu-tiny``). As in the real run, one server process serves the workloads one after
+default ``SchedulerConfig``. The engine is a fitted profile (``--engine-profile``): ``run`` (the
+default) is the profile the kvbudget server fitted from its own engine steps over the real run
+(serve_bench keeps it as ``engine-profile-kvbudget.json`` in its ``--out`` directory): the same
+engine on the same machine in the same stretch of time, so the machine's speed, which varies by
+tens of percent between runs, is the real run's; without it (or with ``--real`` naming a JSON
+file or an older run) the shipped ``vllm-cpu-tiny``. A file or a shipped name picks one
+explicitly. The engine's timing is the only thing read from the run: good / late / rejected are
+predicted from it. As in the real run, one server process serves the workloads one after
 the other, so the budget's length and step-cost models are carried from one workload to the next
 in serve_bench's order.
 
@@ -97,6 +103,9 @@ SERVERS = ("vllm", "kvbudget")
 #: the simulator's stand-in for vLLM's own server
 VLLM_POLICY = "reserve-current"
 DEFAULT_PROFILE = "vllm-cpu-tiny"
+#: ``--engine-profile run``: the profile serve_bench kept from the kvbudget server of the real run
+RUN_PROFILE = "run"
+RUN_PROFILE_FILE = "engine-profile-kvbudget.json"
 #: the issue's target: simulated good within 15 % or 5 requests of the real run
 TARGET_SHARE = 0.15
 TARGET_REQUESTS = 5
@@ -589,8 +598,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     src.add_argument("--sim-only", action="store_true", help="no real side at all")
     p.add_argument("--workload", action="append", choices=list(sb.WORKLOADS), default=None,
                    help="repeatable; default all, in serve_bench's order")
-    p.add_argument("--engine-profile", default=DEFAULT_PROFILE,
-                   help=f"profile file or shipped name (default {DEFAULT_PROFILE})")
+    p.add_argument("--engine-profile", default=RUN_PROFILE,
+                   help=f"profile file or shipped name, or {RUN_PROFILE!r}: the one the kvbudget "
+                        f"server fitted from its steps in the real run (default; "
+                        f"{DEFAULT_PROFILE} where the run has none)")
     p.add_argument("--step-scale", type=float, default=1.0, metavar="F",
                    help="what-if, not a fit: multiply every step-time figure of the profile by "
                         "F (the same engine on a faster or busier machine; default 1)")
@@ -640,6 +651,16 @@ def speed_check(result: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | Non
             "tpot_p50_ms_sim": sim, "real_over_sim": round(real / sim, 2)}
 
 
+def load_profile(choice: str, run_dir: Path | None) -> EngineProfile:
+    """``--engine-profile``: a file or shipped name, or :data:`RUN_PROFILE` (the run's own where
+    ``run_dir`` holds one, else :data:`DEFAULT_PROFILE`)."""
+    if choice != RUN_PROFILE:
+        return EngineProfile.load(choice)
+    if run_dir is not None and (run_dir / RUN_PROFILE_FILE).exists():
+        return EngineProfile.load(run_dir / RUN_PROFILE_FILE)
+    return EngineProfile.load(DEFAULT_PROFILE)
+
+
 def _tokenizer(opts: argparse.Namespace) -> TokenizerInfo:
     """The tokenizer of ``--model`` (built if missing); without ``--model``, serve_bench's
     default model's if it is there, else :data:`TINY_TOKENIZER` (what build_tiny_llama builds
@@ -657,21 +678,24 @@ def _tokenizer(opts: argparse.Namespace) -> TokenizerInfo:
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
     tok = _tokenizer(opts)
-    profile = scaled(EngineProfile.load(opts.engine_profile), opts.step_scale)
     real: dict[str, dict[str, dict[str, Any]]] = {}
     records: dict[str, Any] = {}
     real_source: str | None = None
     load_file: Path | None = None
+    run_dir: Path | None = None
     if opts.real is not None:
         real, records = load_real(opts.real)
         real_source = str(opts.real)
-        load_file = opts.real / "load.json" if opts.real.is_dir() else None
+        run_dir = opts.real if opts.real.is_dir() else None
     elif not opts.sim_only:
         out_dir = opts.out or Path(tempfile.mkdtemp(prefix="sim_vs_real-"))
         out_dir.mkdir(parents=True, exist_ok=True)
         real, records = load_real(run_real(opts, out_dir))
         real_source = str(out_dir)
-        load_file = out_dir / "load.json"
+        run_dir = out_dir
+    load_file = run_dir / "load.json" if run_dir is not None else None
+    profile = scaled(load_profile(opts.engine_profile, run_dir), opts.step_scale)
+    print(f"# engine profile: {profile.name} ({profile.source})", file=sys.stderr)
     sim = simulate_workloads(
         opts.workloads, profile=profile, policy=opts.policy, seed=opts.seed,
         scale=opts.num_prompts_scale, tok=tok,

@@ -660,6 +660,18 @@ def create_app(args: argparse.Namespace) -> FastAPI:
         data["names"] = server.engine.budget.names.to_dict()
         return JSONResponse(data)
 
+    @app.get("/kvbudget/engine-profile")
+    async def engine_profile() -> Response:
+        # the simulator's model of this engine, fitted from the steps it ran since start
+        # (kvbudget simulate --engine-profile FILE reads it)
+        if server.engine is None:
+            return error_response(503, "the engine is not running", "server_error")
+        try:
+            profile = server.engine.engine_profile()
+        except kvbudget.errors.InvalidInput as exc:
+            return error_response(409, f"no profile yet: {exc}", "invalid_request_error")
+        return JSONResponse(profile.to_dict())
+
     return app
 
 

@@ -581,6 +581,28 @@ async def _grpc_wait_idle(stub: Any, pb: Any, timeout: float = 15.0) -> dict[str
         await asyncio.sleep(0.05)
 
 
+def test_engine_profile_endpoint_fits_the_steps_it_ran(
+    http_url: str, servers: dict[str, Any]
+) -> None:
+    """``GET /kvbudget/engine-profile``: the simulator's engine profile fitted from the engine's
+    own steps since start (it has served the tests above); it loads as an EngineProfile with
+    this server's cache and a step model that predicts a positive step time."""
+    import httpx
+
+    from kvbudget.sim.profile import EngineProfile
+
+    body = {"model": servers["model"], "prompt": "a few steps", "max_tokens": 16,
+            "ignore_eos": True}
+    assert httpx.post(f"{http_url}/v1/completions", json=body, timeout=30).status_code == 200
+    resp = httpx.get(f"{http_url}/kvbudget/engine-profile", timeout=30)
+    assert resp.status_code == 200, resp.text
+    profile = EngineProfile.from_dict(resp.json())
+    assert profile.observed_steps >= 16
+    assert profile.capacity_blocks == KV_BLOCKS - 1 and profile.block_size == 32
+    assert profile.step.decode_time(4, 400) > 0.0
+    assert "vLLM" in profile.source and servers["model"] in profile.source
+
+
 def test_grpc_streams_cancels_and_is_exhausted(grpc_target: str) -> None:
     import grpc
 

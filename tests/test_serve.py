@@ -260,6 +260,21 @@ def test_disconnect_mid_stream_returns_the_blocks(server: dict[str, Any]) -> Non
     pytest.fail(f"no stream was left half-way in {DISCONNECT_ATTEMPTS} attempts: {tried}")
 
 
+def test_engine_profile_endpoint(server: dict[str, Any]) -> None:
+    """``GET /kvbudget/engine-profile`` on ``kvbudget serve``: the profile fitted from the steps
+    the engine ran (the tests above), loadable by the simulator."""
+    import httpx
+
+    from kvbudget.sim.profile import EngineProfile
+
+    _client(server).completions.create(model="tiny", prompt="steps", max_tokens=16,
+                                       extra_body={"ignore_eos": True})
+    resp = httpx.get(f"{server['url']}/kvbudget/engine-profile", timeout=30, trust_env=False)
+    assert resp.status_code == 200, resp.text
+    profile = EngineProfile.from_dict(resp.json())
+    assert profile.observed_steps >= 16 and profile.capacity_blocks == KV_BLOCKS - 1
+
+
 def test_metrics_carry_vllms_and_kvbudgets(server: dict[str, Any]) -> None:
     import httpx
 

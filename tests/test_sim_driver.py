@@ -206,3 +206,18 @@ def test_the_length_model_can_be_carried_from_one_run_to_the_next() -> None:
     fresh = simulate(reqs, sc, SMALL_ENGINE, "calibrated")
     assert _figures(fresh) == _figures(first)  # a fresh model by default
     assert again.under_p90 != first.under_p90 or again.coverage != first.coverage
+
+
+def test_the_cost_model_learns_the_engines_prefill_as_over_vllm() -> None:
+    """As the vLLM adapter feeds the engine's step details, the simulated engine feeds its
+    prefills to the budget's cost model: the prefill cost per token is learned (and with it
+    calibrated's cheap-to-pause rule can engage, as it does over the real engine)."""
+    from kvbudget.core.cost import CostModel
+
+    reqs, sc = _requests(n=30, rate=4.0)
+    cost = CostModel()
+    simulate(reqs, sc, SMALL_ENGINE, "calibrated", cost=cost)
+    assert cost.prefill_observations >= 30
+    assert cost.current().prefill_per_token_s == pytest.approx(
+        SMALL_ENGINE.step.prefill_per_token_s, rel=0.02
+    )

@@ -239,3 +239,23 @@ def test_abandon_in_the_simulator_leaves_after_k_tokens() -> None:
         assert s["abandoned"] == leaving  # every planned leaver leaves, nobody else
         assert s["good"] + s["late"] + s["rejected"] + s["failed"] == s["sent"] - leaving
         assert s["duration_s"] > 0 and not math.isnan(s["duration_s"])
+
+
+def test_the_engine_profile_is_the_runs_own_where_the_run_kept_one(tmp_path: pathlib.Path) -> None:
+    """``--engine-profile run`` (the default) reads the profile the kvbudget server fitted in the
+    real run; a run without one, and no run, fall back to the shipped profile; a name or file
+    is taken as given."""
+    from kvbudget.sim.profile import EngineProfile
+
+    shipped = EngineProfile.load(svr.DEFAULT_PROFILE)
+    own = EngineProfile.from_dict({
+        **shipped.to_dict(), "name": "tiny-run", "source": "this run",
+        "step": {**shipped.to_dict()["step"], "fixed_s": 0.001},
+    })
+    assert svr.load_profile(svr.RUN_PROFILE, tmp_path).name == shipped.name
+    assert svr.load_profile(svr.RUN_PROFILE, None).name == shipped.name
+    (tmp_path / svr.RUN_PROFILE_FILE).write_text(json.dumps(own.to_dict()))
+    picked = svr.load_profile(svr.RUN_PROFILE, tmp_path)
+    assert picked.name == "tiny-run" and picked.step.fixed_s == 0.001
+    assert svr.load_profile("vllm-l4-qwen2.5-0.5b", tmp_path).name == "vllm-l4-qwen2.5-0.5b"
+    assert svr.parse_args([]).engine_profile == svr.RUN_PROFILE

@@ -330,8 +330,9 @@ def install(
     """Add the budget's parts to vLLM's FastAPI ``app``: the :class:`~kvbudget.guard.
     RequestGuard` (413 for oversized requests, 401 without a valid key when ``api_keys``), the
     header middleware (the key's tenant and allowed classes win over the headers: 403), the
-    429/400 handlers, ``GET /kvbudget/snapshot`` and the Prometheus exporter. Returns the
-    exporter."""
+    429/400 handlers, ``GET /kvbudget/snapshot``, ``GET /kvbudget/engine-profile`` (the engine
+    profile fitted from the steps run since start; 409 before any decode step) and the
+    Prometheus exporter. Returns the exporter."""
     from fastapi.responses import JSONResponse
 
     from kvbudget.observability import PrometheusExporter, snapshot_to_dict
@@ -368,6 +369,17 @@ def install(
         return JSONResponse(data)
 
     app.add_api_route("/kvbudget/snapshot", snapshot, methods=["GET"])
+
+    async def engine_profile() -> Any:
+        # the simulator's model of this engine, fitted from the steps it ran since start
+        try:
+            profile = engine.engine_profile()
+        except InvalidInput as exc:
+            body = _error_body(f"no profile yet: {exc}", "invalid_request_error", 409)
+            return JSONResponse(body, status_code=409)
+        return JSONResponse(profile.to_dict())
+
+    app.add_api_route("/kvbudget/engine-profile", engine_profile, methods=["GET"])
     from starlette.middleware import Middleware
 
     # vLLM's build_app has built the middleware stack already: add ours and let it rebuild;

@@ -832,6 +832,10 @@ class _Sim:
                 cache.trim(cap_blocks - self.engine_used_blocks)
             if nb:
                 sched.observe_step(nb, ctx, decode_s, now)
+            if pre_tokens:
+                # as the vLLM adapter feeds it from the engine's step details: the cost model
+                # learns the engine's prefill cost (the step's time beyond its decode part)
+                sched.cost.observe_prefill(pre_tokens, per_pre * pre_tokens)
             if self.progress is not None and steps % 512 == 0:
                 self.progress(ai / n if n else 1.0)
         if self.progress is not None:

