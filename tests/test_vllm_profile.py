@@ -15,7 +15,7 @@ import vllm_support
 pytestmark = pytest.mark.vllm
 
 
-def test_engine_profile_fits_the_steps_the_engine_ran() -> None:
+def test_engine_profile_fits_the_steps_the_engine_ran(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -44,9 +44,20 @@ def test_engine_profile_fits_the_steps_the_engine_ran() -> None:
                 return n
 
             await asyncio.gather(*[one(i) for i in range(16)])
-            return eng.engine_profile("t", "the test's engine"), list(eng.steps.steps)
+            by_execution = eng.engine_profile("t", "the test's engine")
+            import kvbudget.engines.vllm.adapter as adapter
 
-    profile, steps = asyncio.run(main())
+            monkeypatch.setattr(adapter, "MIN_WALL_STEPS", 10)
+            whole = eng.engine_profile()
+            return by_execution, whole, list(eng.steps.steps), list(eng.steps.wall)
+
+    profile, whole, steps, wall = asyncio.run(main())
+    # steps timed whole (back to back, as the frontend received their stats) take at least the
+    # model execution vLLM times, on average
+    assert 10 <= len(wall) <= len(steps)
+    assert statistics.mean(s[3] for s in wall) >= 0.9 * statistics.mean(s[3] for s in steps)
+    assert whole.observed_steps == len(wall) and "timed whole" in whole.source
+    assert whole.step.decode_time(4, 400) >= 0.9 * profile.step.decode_time(4, 400)
     assert profile.observed_steps == len(steps) > 20
     assert any(s[2] > 0 for s in steps) and any(s[2] == 0 and s[0] > 0 for s in steps)
     assert profile.capacity_blocks == 63 and profile.block_size == 32

@@ -16,6 +16,10 @@ fitted, leaves of their time. Coefficients are kept >= 0: one that comes out neg
 separate the three (fewer than 3, or all at one batch size and context), the batch and context
 terms that cannot be told apart are 0 and the fixed cost is the mean.
 
+:class:`StepRecorder` keeps two records of the same steps: timed by the engine (its model
+execution) and timed whole (from the previous step's stats to this one's, as the caller receives
+them; a gap over ``MAX_WALL_GAP_S`` is a stall and left out).
+
 A profile also carries what the engine was configured with (KV blocks and block size, batch cap,
 prefill chunk) and the abort latency: the time from a stop to its confirmation, which over vLLM
 is one scheduler step (the confirmation comes with the next stats record); it is taken as the
@@ -45,19 +49,33 @@ StepRecord = tuple[int, int, int, float]
 
 #: the profiles shipped with kvbudget (``kvbudget simulate --engine-profile NAME``)
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+#: a gap between two steps' stats longer than this is a stall, not a step (StepRecorder)
+MAX_WALL_GAP_S = 0.5
 
 
 class StepRecorder:
     """The last ``limit`` observed engine steps (O(1) per step, bounded memory)."""
 
-    __slots__ = ("steps",)
+    __slots__ = ("steps", "wall")
 
     def __init__(self, limit: int = 20_000) -> None:
-        self.steps: deque[StepRecord] = deque(maxlen=check_int("limit", limit, minimum=1))
+        check_int("limit", limit, minimum=1)
+        #: steps timed by the engine itself (its model execution)
+        self.steps: deque[StepRecord] = deque(maxlen=limit)
+        #: the same steps timed whole, from the previous step's end as the caller saw it
+        self.wall: deque[StepRecord] = deque(maxlen=limit)
 
     def record(self, batch: int, context_tokens: int, prefill_tokens: int, seconds: float) -> None:
         if seconds >= 0.0 and math.isfinite(seconds):
             self.steps.append((batch, context_tokens, prefill_tokens, seconds))
+
+    def record_wall(
+        self, batch: int, context_tokens: int, prefill_tokens: int, seconds: float
+    ) -> None:
+        """A step timed whole. Gaps over ``MAX_WALL_GAP_S`` are not steps but stalls of the
+        caller (or of the machine) and are left out."""
+        if 0.0 <= seconds <= MAX_WALL_GAP_S:
+            self.wall.append((batch, context_tokens, prefill_tokens, seconds))
 
     def __len__(self) -> int:
         return len(self.steps)

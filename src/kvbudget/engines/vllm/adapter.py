@@ -134,11 +134,14 @@ class EngineStats:
         self.initialized = False
         self.vllm_config: Any = None
         self._waiters: list[asyncio.Future[None]] = []
-        #: called as ``on_step(batch_size, seconds, prefill_tokens)`` for each busy step: the
-        #: engine's own timing where it reports it (``iteration_details``, with the prompt
-        #: tokens it prefilled), else the time since the previous record and None (unknown):
-        #: how the cost model is refitted
-        self.on_step: Callable[[int, float, int | None], None] | None = None
+        #: called as ``on_step(batch_size, seconds, prefill_tokens, wall)`` for each busy step:
+        #: the engine's own timing where it reports it (``iteration_details``: its model
+        #: execution, with the prompt tokens it prefilled), else the time since the previous
+        #: record and None (unknown): how the cost model is refitted. ``wall``: with the
+        #: engine's timing, the time since the previous record when that one was busy too (the
+        #: whole step as the frontend sees it: scheduling, execution, output processing), else
+        #: None
+        self.on_step: Callable[[int, float, int | None, float | None], None] | None = None
         self._busy_since: float | None = None
 
     # -- the StatLoggerBase interface ---------------------------------------------------------
@@ -185,11 +188,12 @@ class EngineStats:
             decoding = int(details.num_generation_requests)
             prefill = int(details.num_ctx_tokens)
             if decoding or prefill:
-                on_step(decoding, float(details.elapsed_ms) / 1000.0, prefill)
+                wall = now - last if last is not None else None
+                on_step(decoding, float(details.elapsed_ms) / 1000.0, prefill, wall)
             return
         generated = getattr(iteration_stats, "num_generation_tokens", 0) if iteration_stats else 0
         if busy and last is not None and generated:
-            on_step(self.num_running_reqs, now - last, None)
+            on_step(self.num_running_reqs, now - last, None, None)
 
     def log_engine_initialized(self) -> None:
         self.initialized = True
@@ -210,6 +214,10 @@ class EngineStats:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         await fut
+
+
+#: back-to-back steps needed before :meth:`BudgetedEngine.engine_profile` fits whole steps
+MIN_WALL_STEPS = 200
 
 
 def _vllm_version() -> str:
@@ -958,15 +966,20 @@ class BudgetedEngine:
         kwargs.setdefault("owns_engine", True)
         return cls(engine, classes=classes, policy=policy, config=config, stats=stats, **kwargs)
 
-    def _observe_step(self, batch: int, seconds: float, prefill_tokens: int | None) -> None:
+    def _observe_step(
+        self, batch: int, seconds: float, prefill_tokens: int | None, wall: float | None = None
+    ) -> None:
         """One engine step, for the cost model: a decode step refits the step time; a step that
         also prefilled refits the prefill cost per token (from what the decode would have
         taken). Without the engine's own step details a step is taken as pure decode only while
-        no admitted request waits for its first token (else it may hold a prefill)."""
+        no admitted request waits for its first token (else it may hold a prefill). The
+        engine's own records (and their wall time) are kept for :meth:`engine_profile`."""
         sched = self.budget.scheduler
         context = sched.active_context
         if prefill_tokens is not None:  # the engine's own step details: a clean record
             self.steps.record(batch, context, prefill_tokens, seconds)
+            if wall is not None:
+                self.steps.record_wall(batch, context, prefill_tokens, wall)
         if not prefill_tokens:  # (0: a decode step; EngineStats reports only busy ones)
             if prefill_tokens == 0 or sched.prefill_backlog == 0:
                 self.budget.observe_step(batch, context, seconds)
@@ -997,15 +1010,27 @@ class BudgetedEngine:
         and prefill chunk. Needs the engine's own step details (``from_engine_args`` turns them
         on) and at least one decode step (else :class:`~kvbudget.errors.InvalidInput`);
         ``source`` says what was measured (engine, model, hardware, workload; default: the
-        model and how many steps, on this machine)."""
-        steps = self.steps.steps
+        model and how many steps, on this machine).
+
+        The steps are timed whole where enough were seen back to back (``MIN_WALL_STEPS``):
+        from one step's stats to the next, as the frontend receives them, which is what a
+        stream waits between tokens (scheduling, model execution, sampling, output
+        processing); else by vLLM's model execution time alone (``iteration_details``), which
+        leaves the rest of the step out."""
+        wall = len(self.steps.wall) >= MIN_WALL_STEPS
+        steps = self.steps.wall if wall else self.steps.steps
         if name is None:
             name = f"{self.model_name}-run"
         if source is None:
+            timing = (
+                "timed whole, from one step's stats to the next as the frontend receives them"
+                if wall
+                else "timed by vLLM's model execution (iteration_details elapsed_ms)"
+            )
             source = (
                 f"vLLM {_vllm_version()} serving {self.model_name} on this machine "
                 f"({platform.machine()}), fitted by kvbudget's BudgetedEngine from the "
-                f"{len(steps)} engine steps it ran since start (vLLM's iteration_details)"
+                f"{len(steps)} engine steps it ran since start, {timing}"
             )
         return fit_profile(
             steps,
