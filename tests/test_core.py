@@ -636,7 +636,11 @@ def test_turn_away_at_arrival_learns_a_pessimistic_wait_forecast(quantile: float
     config = SchedulerConfig(turn_away_wait_quantile=quantile)
     s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront(), config=config)
     _release_rate(s)
-    assert s.snapshot().wait_forecast_ratio == 1.0  # nothing learned yet
+    from kvbudget.core.forecast import UNCALIBRATED_WAIT_RATIO
+
+    # nothing learned yet: a forecast with no evidence of its error is trusted at a margin
+    expected = 1.0 if quantile is None else UNCALIBRATED_WAIT_RATIO
+    assert s.snapshot().wait_forecast_ratio == expected
     _pessimistic_waits(s, MIN_WAIT_RATIOS)
     snap = s.snapshot()
     assert snap.wait_forecast_samples == MIN_WAIT_RATIOS
@@ -654,6 +658,30 @@ def test_turn_away_at_arrival_learns_a_pessimistic_wait_forecast(quantile: float
         # a forecast far past the bound is still told at once
         far = s.arrive("far", spec(prompt=4, max_tokens=28, deadline=wait * 0.05), t)
         assert of(far, ev.Reject, "far")[0].reason == "deadline"
+
+
+def test_a_cold_forecast_turns_away_at_once_only_callers_forecast_at_twice_their_bound() -> None:
+    """With no evidence yet of how the wait forecast errs, a newcomer is turned away at arrival
+    only if it is forecast to wait more than twice its bound; one forecast at 1.5 times its
+    bound queues (its queue bound still times it out)."""
+
+    def cold() -> Scheduler:  # a full cache, one caller queued, one release rate seen
+        s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
+        _release_rate(s)
+        s.arrive("hog", spec(prompt=4, max_tokens=28), 3.0)
+        s.arrive("ahead", spec(prompt=4, max_tokens=28), 3.0)
+        return s
+
+    probe = cold()
+    probe.arrive("next", spec(prompt=4, max_tokens=28, deadline=1e6), 3.0)
+    wait = probe.requests["next"].wait_forecast  # what the next caller is forecast to wait
+    assert wait > 0.0 and probe.snapshot().wait_forecast_samples == 0
+    s = cold()
+    edge = s.arrive("next", spec(prompt=4, max_tokens=28, deadline=wait / 1.5), 3.0)
+    assert not of(edge, ev.Reject) and s.requests["next"].state is State.QUEUED
+    s = cold()
+    far = s.arrive("next", spec(prompt=4, max_tokens=28, deadline=wait / 2.5), 3.0)
+    assert of(far, ev.Reject, "next")[0].reason == "deadline"
 
 
 def test_a_caller_timed_out_in_the_queue_counts_its_wait_as_a_lower_bound() -> None:

@@ -455,7 +455,7 @@ GAUGES: Final[Mapping[str, tuple[str, str]]] = {
     "wait_forecast_ratio": (
         "wait_forecast_ratio",
         "What a forecast wait for admission is scaled by before a caller is turned away on it "
-        "(a low quantile of recent real / forecast waits; 1 until calibrated).",
+        "(a low quantile of recent real / forecast waits; 0.5 until calibrated, 1 when off).",
     ),
     "wait_forecast_samples": (
         "wait_forecast_samples",

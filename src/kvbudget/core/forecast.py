@@ -28,6 +28,8 @@ LATE_SHARE_ON = 0.05
 LATE_ALPHA = 0.01
 #: ratios of real to forecast waits needed before the turn-away at arrival reads them
 MIN_WAIT_RATIOS = 16
+#: what a forecast wait is scaled by before that (SchedulerConfig.turn_away_wait_quantile)
+UNCALIBRATED_WAIT_RATIO = 0.5
 
 
 class DecayingRate:
@@ -236,12 +238,15 @@ class Forecast:
 
     def wait_ratio(self) -> float:
         """The ``turn_away_wait_quantile`` of the recent real / forecast wait ratios: what a
-        forecast wait is scaled by before a caller is turned away on it (1.0: not calibrated,
-        with fewer than ``MIN_WAIT_RATIOS`` ratios seen or the quantile off)."""
+        forecast wait is scaled by before a caller is turned away on it
+        (``UNCALIBRATED_WAIT_RATIO`` with fewer than ``MIN_WAIT_RATIOS`` ratios seen; 1.0 with
+        the quantile off)."""
         q = self._config.turn_away_wait_quantile
         ratios = self._wait_ratios
-        if q is None or len(ratios) < MIN_WAIT_RATIOS:
+        if q is None:
             return 1.0
+        if len(ratios) < MIN_WAIT_RATIOS:
+            return UNCALIBRATED_WAIT_RATIO
         if self._ratio_at is None:
             ordered = sorted(ratios)
             self._ratio_at = ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -261,4 +266,11 @@ class Forecast:
         return self.clamp_retry(self.estimated_wait(req))
 
 
-__all__ = ["LATE_ALPHA", "LATE_SHARE_ON", "DecayingRate", "Forecast"]
+__all__ = [
+    "LATE_ALPHA",
+    "LATE_SHARE_ON",
+    "MIN_WAIT_RATIOS",
+    "UNCALIBRATED_WAIT_RATIO",
+    "DecayingRate",
+    "Forecast",
+]

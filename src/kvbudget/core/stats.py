@@ -161,7 +161,8 @@ class Snapshot:
     engine_preemptions: int | None = None
     #: what a forecast wait for admission is scaled by before a caller is turned away on it
     #: (``SchedulerConfig.turn_away_wait_quantile`` of the recent real / forecast waits; 1.0
-    #: until enough were seen), and how many such ratios it reads
+    #: ``UNCALIBRATED_WAIT_RATIO`` until enough were seen, 1.0 with the quantile off), and how
+    #: many such ratios it reads
     wait_forecast_ratio: float = 1.0
     wait_forecast_samples: int = 0
 
