@@ -29,6 +29,8 @@ from typing import Any, Literal
 import attrs
 
 from kvbudget.auth import ApiKeys, load_api_keys
+from kvbudget.cli import quantile_or_off
+from kvbudget.core.config import SchedulerConfig
 from kvbudget.engines.tiny_model import configure_cpu_vllm_env, tiny_engine_args
 from kvbudget.errors import InvalidInput
 from kvbudget.guard import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES
@@ -61,18 +63,6 @@ def configure_logging(level: int | str = logging.INFO) -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
 
 
-def _quantile_or_off(text: str) -> float | None:
-    if text == "off":
-        return None
-    try:
-        q = float(text)
-    except ValueError:
-        q = math.nan
-    if not 0.0 < q < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a quantile in (0, 1) or 'off', got {text!r}")
-    return q
-
-
 def make_parser(description: str, default_port: int) -> argparse.ArgumentParser:
     """The command line both servers share."""
     p = argparse.ArgumentParser(description=description)
@@ -97,10 +87,11 @@ def make_parser(description: str, default_port: int) -> argparse.ArgumentParser:
              "(HTTP 429 / RESOURCE_EXHAUSTED); default: the interactive class's 2 s",
     )
     p.add_argument(
-        "--turn-away-wait-quantile", type=_quantile_or_off, default=0.2, metavar="Q|off",
+        "--turn-away-wait-quantile", type=quantile_or_off,
+        default=attrs.fields(SchedulerConfig).turn_away_wait_quantile.default, metavar="Q|off",
         help="a newcomer is told to retry on its estimated wait only when the estimate scaled "
              "by this quantile of recent real / estimated waits still passes its bound; off: on "
-             "the raw estimate (SchedulerConfig.turn_away_wait_quantile; default 0.2)",
+             "the raw estimate (SchedulerConfig.turn_away_wait_quantile; default %(default)s)",
     )
     p.add_argument(
         "--build-tiny-model", action="store_true",
@@ -176,7 +167,7 @@ async def running_engine(args: argparse.Namespace) -> AsyncIterator[Any]:
     The engine is an async context manager: it runs the budget's task group and the
     reconciler, and shuts the vLLM engine down on exit (~5 s).
     """
-    from kvbudget import BATCH, DEFAULT_CLASSES, INTERACTIVE, SchedulerConfig
+    from kvbudget import BATCH, DEFAULT_CLASSES, INTERACTIVE
     from kvbudget.vllm import BudgetedEngine
 
     classes = list(DEFAULT_CLASSES)

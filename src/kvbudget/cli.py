@@ -114,8 +114,9 @@ def _share(text: str) -> float:
     return v
 
 
-def _service_quantile(text: str) -> float | None:
-    """``off`` or a quantile strictly between 0 and 1."""
+def quantile_or_off(text: str) -> float | None:
+    """An ``argparse`` type: ``off`` (None) or a quantile strictly between 0 and 1 (the
+    examples' servers use it too)."""
     if text == "off":
         return None
     v = _positive_float(text)
@@ -144,6 +145,7 @@ def _positive_int(text: str) -> int:
 
 @subcommand("simulate")
 def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvbudget.core.config import SchedulerConfig
     from kvbudget.core.policy import POLICY_NAMES
     from kvbudget.sim.engine_model import (
         DEFAULT_ABORT_LATENCY_S,
@@ -321,7 +323,7 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     g.add_argument(
         "--deadline-service-quantile",
-        type=_service_quantile,
+        type=quantile_or_off,
         default=0.5,
         metavar="Q|off",
         help="turn away a queued request with a deadline once its prefill and its Q-quantile "
@@ -330,8 +332,8 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     g.add_argument(
         "--turn-away-wait-quantile",
-        type=_service_quantile,
-        default=0.2,
+        type=quantile_or_off,
+        default=attrs.fields(SchedulerConfig).turn_away_wait_quantile.default,
         metavar="Q|off",
         help="turn away a newcomer on its estimated wait only when the estimate scaled by the "
         "Q-quantile of recent real / estimated waits still passes its bound; off: on the raw "

