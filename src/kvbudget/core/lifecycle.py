@@ -165,6 +165,7 @@ class Request:
         "expiry",
         "ext_pending",
         "first_token_at",
+        "gave_way",
         "generated",
         "hard_max",
         "key",
@@ -230,6 +231,8 @@ class Request:
         self.preemptions = 0
         self.resume: Checkpoint | None = None
         self.requeue_front = False
+        #: paused for another caller's first token: requeued behind the callers then queued
+        self.gave_way = False
         self.release_started_at: float | None = None
         self.unconfirmed = False
         self.expiry = float("inf")  # when it is turned away if still queued (the scheduler's)

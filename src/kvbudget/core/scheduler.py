@@ -64,7 +64,7 @@ from kvbudget.core.lifecycle import (
 )
 from kvbudget.core.model import Capacity, RequestSpec, ServiceClass, class_table, lookup_class
 from kvbudget.core.policy import Blocked, Policy, resolve_policy
-from kvbudget.core.queue import Queues
+from kvbudget.core.queue import ClassQueue, Queues
 from kvbudget.core.resume import Continuation
 from kvbudget.core.stats import Counters, Snapshot, sum_counters
 from kvbudget.errors import (
@@ -250,7 +250,9 @@ class Scheduler:
         # the service forecast of a deadline only matters to a caller that waits: one admitted
         # at once skips it (it is most of an arrival's cost), one that stays queued gets it below
         req.expiry = forecast.queue_expiry(req, service=wait > 0.0)
-        if forecast.turns_away(wait, forecast.wait_bound(req, now)):
+        if forecast.turns_away(wait, forecast.wait_bound(req, now)) and not (
+            self._served_by_pauses(req)
+        ):
             return [self._reject_new(req, wait, "deadline")]
         if measured:
             req.wait_forecast = wait
@@ -288,6 +290,23 @@ class Scheduler:
         """Predicted seconds from admitting ``req`` now to its first token, behind the prefill
         queued in the engine (and ``extra_tokens`` more of it ahead)."""
         return self.forecast.first_token_delay(req, extra_tokens)
+
+    def released_in_time(self, req: Request, blocks: int) -> bool:
+        """Would the blocks released at the recent rate admit the queued ``req`` (``blocks``
+        wanted beyond what is free past the headroom target) while it may still wait, by its
+        queue bound, which leaves room for its prefill under a first-token objective? False
+        when it has no such bound, when the bound has passed, and when no release was seen yet
+        (no evidence that blocks come back in time)."""
+        slack = self.forecast.wait_bound(req, self.now)
+        rate = self.forecast.release_rate(self.now)
+        if slack is None or rate <= 0.0 or slack <= 0.0:
+            return False
+        deficit = blocks - (self.ledger.free - self.ledger.headroom_target)
+        return deficit / rate <= slack
+
+    def queue_slack(self, req: Request) -> float | None:
+        """Seconds the queued ``req`` may still wait for admission (None: unbounded)."""
+        return self.forecast.wait_bound(req, self.now)
 
     def first_token_prefill_rate(self) -> float:
         """Prompt tokens per second that callers under a first-token objective brought recently:
@@ -564,7 +583,9 @@ class Scheduler:
         self.forecast.note_release(freed, now)
         if preempting:  # (the confirmation moved it to checkpointed)
             req.resume = req.checkpoint()
-            req.requeue_front = self.policy.requeue_front
+            # one paused for another caller's first token goes behind the callers queued now
+            req.requeue_front = self.policy.requeue_front and not req.gave_way
+            req.gave_way = False
             grant = self._want_blocks(req)
             actions.append(ev.Released(req.request_id, freed, "preempted", resumable=True))
             if grant > self.ledger.room(req.cls.protected):
@@ -646,6 +667,10 @@ class Scheduler:
             if self.front
             else []
         )
+        if self.front and self.queues.count() and not self.preempting:
+            # a queued head's bound runs down with time alone: the admission pass decides at
+            # its last responsible moment, not only at the next release
+            actions.extend(self._pump(now))
         timeout = self.config.confirm_timeout_s
         for req in list(self._stopping.values()):
             if (
@@ -904,8 +929,7 @@ class Scheduler:
         for cls in self.queues.order:
             queue = self.queues.by_class[cls.name]
             while queue.count:
-                req = queue.head()
-                assert req is not None
+                req = self._head(queue)
                 if cap is not None and self.active >= cap:
                     return
                 allowance = self._allowance(req)
@@ -925,6 +949,20 @@ class Scheduler:
                     self.forecast.note_waited(req.wait_forecast, now - req.arrival)
                     req.wait_forecast = 0.0
                 self._grant(req, boundary, allowance, now, actions)
+
+    def _head(self, queue: ClassQueue) -> Request:
+        """The next of ``queue`` to admit: its head, unless that is a checkpoint waiting to
+        resume and a fresh caller behind it has its first token due
+        (``Policy.first_token_pause_at``): the checkpoint has had its first token and paces
+        itself; the caller's first token is the most urgent thing in the queue."""
+        head = queue.head()
+        assert head is not None
+        if head.resume is None or getattr(self.policy, "first_token_pause_at", None) is None:
+            return head
+        for req in queue:
+            if req.resume is None and self._first_token_due(req):
+                return req
+        return head
 
     def _may_admit(
         self, req: Request, blocks: int, allowance: int, now: float, actions: list[ev.Action]
@@ -971,28 +1009,32 @@ class Scheduler:
             return True
         if self.preempting:
             return False  # room is already on its way back; do not preempt twice for one head
-        rate = self.forecast.release_rate(now)
-        slack = self.forecast.wait_bound(req, now)
-        if slack is not None and rate > 0.0:
-            # checkpoint others only at the last responsible moment: while the blocks released
-            # at the recent rate would still admit the head in time (by its queue bound, which
-            # leaves room for its prefill under a first-token objective), a preemption would only
-            # trade the victim's recompute for nothing. With no release seen yet there is no
-            # evidence that blocks will come back: preempt.
-            deficit = blocks - (self.ledger.free - self.ledger.headroom_target)
-            if slack > 0.0 and deficit / rate <= slack:
-                return False
+        due = self._first_token_due(req)
+        if self._back_in_time(req, blocks) if due else self.released_in_time(req, blocks):
+            # checkpoint others only at the last responsible moment: a preemption now would
+            # only trade the victim's recompute for nothing
+            return False
         # A victim whose class is backlogged (more work queued than the whole cache holds, so
         # more than one turnover of the cache away) is spared: the engine is saturated for that
         # class, the victim's recompute would displace its work one for one, and the head, served
         # before that backlog by strict priority, gets the next release anyway.
+        # A policy may also pause running streams for a first token that would come too late
+        # (Policy.first_token_due / gives_way): the backlog spares none of those, the point
+        # being a first token now for work deferred.
+        gives_way = getattr(self.policy, "gives_way", None) if due else None
         candidates = [
             r
             for r in self.live.values()
-            if r.cls.preemptible
-            and r.spec.resumable
+            if r.spec.resumable
             and r.generated < r.hard_max
-            and self.queues.by_class[r.cls.name].want_blocks <= self.capacity.blocks
+            and (
+                (
+                    r.cls.preemptible
+                    and self.queues.by_class[r.cls.name].want_blocks <= self.capacity.blocks
+                )
+                # (paused for a first token only once it has had its own)
+                or (gives_way is not None and r.generated >= 1 and gives_way(r, req))
+            )
         ]
         if not candidates:
             return False
@@ -1003,13 +1045,80 @@ class Scheduler:
         if takes_headroom:
             return gates
         need = blocks - self.ledger.spare(protected=False)
+        if due:
+            # the fresh callers queued behind it whose first tokens are due as well: one round
+            # of pauses for all of them, not one confirmation round trip each
+            for other in self.queues.by_class[req.cls.name]:
+                if other is not req and self._first_token_due(other):
+                    need += self.ledger.admission_blocks(
+                        other, other.generated + self._allowance(other)
+                    )
         for victim in self.policy.choose_victims(req, need, candidates):
             if victim is req or victim.state not in _LIVE or victim.generated >= victim.hard_max:
                 raise PolicyViolation(
                     self.policy.name, "admission victims must be running requests"
                 )
+            if not victim.cls.preemptible:
+                victim.gave_way = True  # (paused for a first token: requeued behind it)
             self._preempt(victim, now, actions, reason=f"admit:{req.request_id}")
         return False
+
+    def _first_token_pause_at(self, req: Request) -> float | None:
+        at = getattr(self.policy, "first_token_pause_at", None)
+        return None if at is None else at(req)
+
+    def _first_token_due(self, req: Request) -> bool:
+        """Does the policy pause running streams for ``req``'s first token now
+        (``Policy.first_token_pause_at``, optional)?"""
+        at = self._first_token_pause_at(req)
+        if at is None:
+            return False
+        slack = self.forecast.wait_bound(req, self.now)
+        return slack is not None and slack <= at
+
+    def _back_in_time(self, req: Request, blocks: int) -> bool:
+        """For a caller whose first token is due: will the running streams themselves return
+        the ``blocks`` it wants beyond what is free past the headroom target, within half the
+        time it may still wait? Judged from each stream's conditional median length at the
+        current step time, not from the recent release rate, which after a quiet spell or a
+        previous wave says little about the streams running now; blocks already being released
+        count. Half: the forecast of a first token is the optimistic side of a race with its
+        objective."""
+        slack = self.forecast.wait_bound(req, self.now)
+        if slack is None:
+            return True
+        deficit = blocks - (self.ledger.free - self.ledger.headroom_target)
+        if deficit <= 0:
+            return True
+        step = self.cost.predict_decode(max(1, self.active), self.active_context)
+        within = slack / 2.0
+        lengths = self.lengths
+        for r in self._stopping.values():
+            deficit -= r.blocks
+        for r in self.live.values():
+            if deficit <= 0:
+                break
+            g = r.generated
+            left = min(r.hard_max, lengths.conditional_quantile(r.key, 0.5, g)) - g
+            if left * step <= within:
+                deficit -= self.ledger.footprint(r)
+        return deficit <= 0
+
+    def _served_by_pauses(self, req: Request) -> bool:
+        """Could pauses for first tokens (``Policy.first_token_pause_at`` / ``gives_way``)
+        admit the newcomer ``req`` by its last responsible moment, whatever the releases? The
+        blocks wanted ahead of it and its own fit what is free plus what the streams that would
+        give way for it hold."""
+        gives_way = getattr(self.policy, "gives_way", None)
+        if gives_way is None or self._first_token_pause_at(req) is None:
+            return False
+        want = self.queues.blocks_ahead(req.cls) + req.want_blocks - self.ledger.admission_free
+        for r in self.live.values():
+            if want <= 0:
+                break
+            if r.spec.resumable and r.generated < r.hard_max and gives_way(r, req):
+                want -= self.ledger.footprint(r)
+        return want <= 0
 
     def _grant(
         self, req: Request, boundary: int, allowance: int, now: float, actions: list[ev.Action]

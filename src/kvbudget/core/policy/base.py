@@ -149,6 +149,22 @@ class BasePolicy:
         decides at the boundary.)"""
         return False
 
+    def first_token_pause_at(self, req: Request) -> float | None:
+        """Once the queued ``req``'s slack (the seconds it may still wait) falls to this, its
+        first token is due and running streams may be paused for it (those :meth:`gives_way`
+        allows); None: never. The scheduler pauses only for a head that the blocks released at
+        the recent rate would not admit in time, and then for every caller queued behind it that
+        is due as well; a caller such pauses could serve is not turned away at arrival on its
+        wait forecast. (Optional in :class:`Policy`: a policy without it pauses no one for a
+        first token.)"""
+        return None
+
+    def gives_way(self, victim: Request, head: Request) -> bool:
+        """May the live ``victim`` be paused for the due first token of ``head``? (The
+        scheduler pauses it only once it has had its own first token, and requeues it behind
+        the callers queued then, not in front.) (Optional in :class:`Policy`.)"""
+        return False
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

@@ -76,6 +76,7 @@ class CalibratedPolicy(BasePolicy):
         batch_prefill_share: float | None = 0.5,
         recompute_share: float | None = 0.1,
         min_prefill_observations: int = 8,
+        first_token_pause_share: float | None = 0.5,
     ) -> None:
         self.headroom_min = check_float("headroom_min", headroom_min, maximum=1.0)
         self.headroom_max = check_float(
@@ -103,6 +104,13 @@ class CalibratedPolicy(BasePolicy):
         )
         self.min_prefill_observations = check_int(
             "min_prefill_observations", min_prefill_observations, minimum=1
+        )
+        self.first_token_pause_share = (
+            None
+            if first_token_pause_share is None
+            else check_float(
+                "first_token_pause_share", first_token_pause_share, open_min=True, maximum=1.0
+            )
         )
         self._demand = 0.0
         self._demand_of: dict[str, float] = {}
@@ -140,10 +148,11 @@ class CalibratedPolicy(BasePolicy):
     def cheap_to_pause(self, req: Request) -> bool:
         """Is re-prefilling ``req`` after a pause cheap against its objective? True when the
         engine's own prefill cost has been measured (``min_prefill_observations`` prefills seen
-        by the cost model: an adapter that reads the engine's step details feeds them; the
-        simulator does not) and re-prefilling its prompt plus the p90 of its length (less the
-        prompt blocks its twins keep cached) takes at most ``recompute_share`` of its
-        first-token objective (2 s for a class without one).
+        by the cost model: the vLLM adapter and the simulated engine feed them, and
+        :class:`~kvbudget.vllm.BudgetedEngine` measures them before it serves) and
+        re-prefilling its prompt plus the p90 of its length (less the prompt blocks its twins
+        keep cached) takes at most ``recompute_share`` of its first-token objective (2 s for a
+        class without one).
         Such a request is granted like vLLM grants: the blocks it fills now and one more, grown
         two blocks at a time; when the cache runs out the most recently admitted request is
         paused (checkpointed), as vLLM preempts, but before the engine has to."""
@@ -165,14 +174,53 @@ class CalibratedPolicy(BasePolicy):
         return self.cheap_to_pause(req)
 
     def _newer(self, req: Request) -> list[Request]:
-        """Live requests admitted after ``req`` that may be paused, newest first."""
+        """Live requests admitted after ``req`` that may be paused, newest first, those still
+        waiting for their first token last (a pause would make it late; one that has had it
+        loses only pace)."""
         return sorted(
             (
                 r
                 for r in self._s.live.values()
                 if r.seq > req.seq and r.spec.resumable and r.generated < r.hard_max
             ),
-            key=lambda r: -r.seq,
+            key=lambda r: (r.first_token_at is None, -r.seq),
+        )
+
+    def first_token_pause_at(self, req: Request) -> float | None:
+        """``first_token_pause_share`` of the first-token objective, for a fresh caller under
+        one that is cheap to pause (its last responsible moment; None: never). Where the
+        objective is on the first token and the mean pace after it, a stall of a stream well
+        inside its pace costs it little and an "overloaded" costs the caller everything; each
+        stream gives way at most once (:meth:`gives_way`) and is requeued behind the callers
+        queued then, so a burst is spread over the cache's turnovers rather than thrashed."""
+        share = self.first_token_pause_share
+        objective = req.cls.ttft_slo_s
+        if share is None or objective is None or req.generated or not self.cheap_to_pause(req):
+            return None
+        return share * objective
+
+    def gives_way(self, victim: Request, head: Request) -> bool:
+        """``victim`` was never paused, is cheap to pause, is of no higher priority than
+        ``head``, and is expected (its conditional median length, at the current step time)
+        to hold its blocks longer than re-prefilling it takes and than a quarter of the time
+        ``head`` may still wait: one about to finish returns them soon enough without a
+        pause."""
+        if (
+            victim is head
+            or victim.preemptions
+            or victim.cls.priority < head.cls.priority
+            or victim.state not in LIVE_STATES
+            or not self.cheap_to_pause(victim)
+        ):
+            return False
+        s = self._s
+        g = victim.generated
+        left = min(victim.hard_max, s.lengths.conditional_quantile(victim.key, 0.5, g)) - g
+        step = s.cost.predict_decode(max(1, s.active), s.active_context)
+        slack = s.queue_slack(head)
+        held = left * step
+        return held > s.cost.predict_prefill(s.ledger.reprefill_tokens(victim)) and (
+            slack is None or held > 0.25 * slack
         )
 
     def initial_allowance(self, req: Request) -> int:
@@ -203,10 +251,17 @@ class CalibratedPolicy(BasePolicy):
         # long answers does, its extensions are real demand, and the headroom is kept for them.
         if self._outrun and req.cls.protected and not self._s.ledger.fits_admission(blocks):
             return False
-        if self.cheap_to_pause(req) and not self._s.ledger.fits_admission(blocks):
+        if (
+            self.cheap_to_pause(req)
+            and not self._s.ledger.fits_admission(blocks)
+            and (req.generated or self._s.released_in_time(req, blocks))
+        ):
             # the headroom is the next extension of every live stream granted the vLLM way: a
-            # head let into it would be the first paused when they grow (a re-prefill for
-            # nothing), so it waits for room beyond it
+            # head let into it would be the first paused when they grow, so it waits for room
+            # beyond it while the blocks released at the recent rate admit it in time. A fresh
+            # caller they would not (a burst, before anything was released) takes the headroom
+            # for its first token, as vLLM admits whatever fits, and is paused, cheaply, when
+            # the streams grow; a checkpoint waiting to resume has had its first token and waits
             return False
         share = self.batch_prefill_share
         if share is not None and self._s.prefill_backlog:
@@ -252,9 +307,14 @@ class CalibratedPolicy(BasePolicy):
 
     def on_blocked(self, req: Request) -> Blocked:
         if self.cheap_to_pause(req):
-            # as vLLM: the most recently admitted gives way, this one if it is the newest
-            if self._newer(req):
+            # as vLLM: the most recently admitted gives way, this one if it is the newest; asked
+            # ahead, not while every newer one still awaits its first token (a pause would make
+            # it late): at the boundary, a block of tokens later, they have had it
+            newer = self._newer(req)
+            if newer and (req.state is State.EXTENDING or newer[0].first_token_at is not None):
                 return Blocked.PREEMPT_OTHERS
+            if newer:
+                return Blocked.WAIT
             if req.spec.on_exhausted == "continue":
                 return Blocked.CONTINUE if req.state is State.EXTENDING else Blocked.WAIT
             s = self._s

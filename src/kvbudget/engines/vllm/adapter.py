@@ -45,6 +45,7 @@ import copy
 import math
 import platform
 import time
+import uuid
 import weakref
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from types import TracebackType
@@ -68,6 +69,7 @@ from kvbudget.errors import RequestAborted as RequestAborted
 from kvbudget.names import NameFolder, NameLimits
 from kvbudget.observability import get_logger
 from kvbudget.sim.profile import EngineProfile, StepRecorder, fit_profile
+from kvbudget.validate import check_int
 
 if TYPE_CHECKING:
     from kvbudget.core.cost import CostModel
@@ -822,6 +824,10 @@ class _Prepared:
 # == the public adapter ============================================================================
 
 
+#: prompts prefilled when a BudgetedEngine is entered (the calibrated policy's
+#: ``min_prefill_observations`` by default)
+PREFILL_PROBES = 8
+
 #: the most parallel samples (``n``) one request may ask for: each is a budget request of its own
 MAX_PARALLEL_SAMPLES = 16
 
@@ -842,7 +848,11 @@ class BudgetedEngine:
     (None: off). ``model``: the calibration key's model name (default: the served model name).
     ``owns_engine``: shut the engine down on exit (default True only from engine args).
     ``names``: the bound on client-chosen tenants and tasks (:class:`~kvbudget.names.NameLimits`;
-    see :class:`~kvbudget.Budget`).
+    see :class:`~kvbudget.Budget`). ``prefill_probes``: prompts of spread lengths prefilled one
+    at a time (one output token each) when the engine is entered, before any caller, so that
+    the cost model knows the engine's prefill cost from the first request on (the calibrated
+    policy grants as vLLM does only where it has measured that a pause is cheap); 0: none,
+    the first callers' prefills measure it.
     """
 
     def __init__(
@@ -863,8 +873,10 @@ class BudgetedEngine:
         model: str | None = None,
         owns_engine: bool = False,
         names: NameLimits | NameFolder | None = None,
+        prefill_probes: int = PREFILL_PROBES,
     ) -> None:
         _require_vllm()
+        self.prefill_probes = check_int("prefill_probes", prefill_probes, minimum=0)
         self.engine = engine
         vc = engine.vllm_config
         cache = vc.cache_config
@@ -1064,7 +1076,35 @@ class BudgetedEngine:
         self._entered = True
         if self.reconcile_interval is not None:
             tg.start_soon(self._reconciler)
+        if self.prefill_probes:
+            await self._probe_prefill(self.prefill_probes)
         return self
+
+    async def _probe_prefill(self, count: int) -> None:
+        """Prefill ``count`` prompts of lengths spread up to 1,024 tokens (within the model
+        and the cache), one at a time and one output token each, straight to the engine: each
+        step's stats feed the cost model a prefill (:meth:`_observe_step`). Token ids are a
+        fixed scatter over the vocabulary, unlike any real prompt (no prefix cache hit)."""
+        from vllm import SamplingParams
+
+        vocab = 0
+        with contextlib.suppress(Exception):
+            vocab = int(self.engine.vllm_config.model_config.get_vocab_size())
+        vocab = vocab if vocab > 1 else 256
+        longest = max(1, min(1024, self.max_model_len - 2, self.capacity.tokens // 2))
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        for i in range(count):
+            n = max(1, longest * (i + 1) // count)
+            ids = [(7919 * (i * 4099 + j) + 17) % vocab for j in range(n)]
+            rid = f"kvbudget-prefill-probe-{i}-{uuid.uuid4().hex[:8]}"
+            try:
+                async for _ in self.engine.generate(
+                    {"prompt_token_ids": ids}, params, request_id=rid
+                ):
+                    pass
+            except Exception:  # a probe is an optimisation: the first callers measure instead
+                log.warning("prefill_probe_failed", exc_info=True)
+                return
 
     async def __aexit__(
         self,

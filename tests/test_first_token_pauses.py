@@ -1,0 +1,218 @@
+"""Calibrated's pauses for first tokens, where a pause is cheap: a burst larger than the cache
+gets every first token in time (streams that have had theirs give way once, requeued behind
+the callers then queued), and the rules around it (no pause before a victim's first token, none
+for a stream about to finish, a stale release rate not taken for blocks coming back, the
+arrival turn-away spared where pauses could serve the caller)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+
+from kvbudget.core import events as ev
+from kvbudget.core.forecast import Forecast
+from kvbudget.core.ledger import State
+from kvbudget.core.model import Capacity, RequestSpec
+from kvbudget.core.policy import CalibratedPolicy
+from kvbudget.core.scheduler import Scheduler
+
+BLOCK = 32
+
+
+def measured(policy: CalibratedPolicy, blocks: int = 256) -> Scheduler:
+    """A scheduler whose cost model has seen the engine's prefills (a fast engine: a pause is
+    cheap), as BudgetedEngine's start-up probes leave it."""
+    s = Scheduler(Capacity(blocks, BLOCK), policy=policy)
+    for _ in range(policy.min_prefill_observations):
+        s.cost.observe_prefill(512, 0.01)
+    return s
+
+
+def spec(prompt: int = 512, max_tokens: int = 300) -> RequestSpec:
+    return RequestSpec(prompt_tokens=prompt, max_tokens=max_tokens, model_max_len=2048)
+
+
+class Engine:
+    """A deterministic engine over the core: one step prefills every newly admitted request
+    (its first token) and decodes one token for every running one; step time 4 ms + 50 us per
+    decoding sequence + 20 us per prompt token prefilled; stops are confirmed at the next step;
+    ticks every 50 ms."""
+
+    def __init__(self, s: Scheduler) -> None:
+        self.s = s
+        self.now = 0.0
+        self.running: dict[str, bool] = {}  # request id -> still to prefill
+        self.to_confirm: list[str] = []
+        self.first_token: dict[str, float] = {}
+        self.rejected: dict[str, str] = {}
+        self.gave_way: list[tuple[str, str, int]] = []  # (victim, reason, its tokens then)
+        self.admissions: list[tuple[float, str, int]] = []
+
+    def apply(self, actions: Iterable[ev.Action]) -> None:
+        for a in actions:
+            if isinstance(a, ev.Admit):
+                self.running[a.request_id] = True
+                self.admissions.append(
+                    (self.now, a.request_id, self.s.requests[a.request_id].generated)
+                )
+            elif isinstance(a, ev.Preempt):
+                self.running.pop(a.request_id, None)
+                self.to_confirm.append(a.request_id)
+                self.gave_way.append(
+                    (a.request_id, a.reason, self.s.requests[a.request_id].generated)
+                )
+            elif isinstance(a, ev.Abort):
+                self.running.pop(a.request_id, None)
+                self.to_confirm.append(a.request_id)
+            elif isinstance(a, ev.Reject):
+                self.running.pop(a.request_id, None)
+                self.rejected[a.request_id] = a.reason
+
+    def run(self, until: float = 30.0) -> None:
+        s = self.s
+        last_tick = 0.0
+        while self.now < until and (self.running or s.queued() or self.to_confirm):
+            prefill = [r for r, p in self.running.items() if p]
+            decode = [r for r, p in self.running.items() if not p]
+            req_prompt = {r: s.requests[r].prompt for r in prefill}
+            dt = 0.004 + 50e-6 * len(decode) + 20e-6 * sum(req_prompt.values())
+            self.now += dt
+            confirm, self.to_confirm = self.to_confirm, []
+            for rid in confirm:
+                self.apply(s.confirm_release(rid, self.now))
+            for rid in prefill + decode:
+                req = s.requests.get(rid)
+                if rid not in self.running or req is None or req.generated >= req.boundary:
+                    continue
+                self.running[rid] = False
+                self.first_token.setdefault(rid, self.now)
+                self.apply(s.charge(rid, 1, self.now))
+                req = s.requests.get(rid)
+                if req is None or rid not in self.running:
+                    continue
+                if req.generated >= req.hard_max:
+                    self.apply(s.finish(rid, "length", self.now))
+                    self.running.pop(rid, None)
+                    self.to_confirm.append(rid)
+                elif req.generated >= req.boundary:
+                    self.apply(s.boundary_reached(rid, self.now))
+            if decode:
+                self.apply(s.observe_step(len(decode), 0, dt, self.now))
+            if self.now - last_tick >= 0.05:
+                last_tick = self.now
+                self.apply(s.tick(self.now))
+
+
+def burst(policy: CalibratedPolicy, n: int = 30) -> Engine:
+    s = measured(policy)
+    engine = Engine(s)
+    for i in range(n):
+        engine.apply(s.arrive(f"r{i}", spec(), 0.0))
+    engine.run()
+    return engine
+
+
+def test_a_burst_larger_than_the_cache_gets_every_first_token_in_time() -> None:
+    # 30 callers of 512 + 300 tokens (26 blocks each at the end) on 256 blocks, at once: the
+    # cache holds 14 prompts, and the first of them finish only after ~1.5 s
+    e = burst(CalibratedPolicy())
+    assert not e.rejected
+    late = {r: t for r, t in e.first_token.items() if t > 2.0}
+    assert len(e.first_token) == 30 and not late
+    for_first_tokens = [v for v in e.gave_way if v[1].startswith("admit:")]
+    assert for_first_tokens, "streams gave way for first tokens"
+    victims = [v for v, _, _ in for_first_tokens]
+    assert len(victims) == len(set(victims)), "each stream gives way at most once"
+    assert all(g >= 1 for _, _, g in for_first_tokens), "only after its own first token"
+    # every request completes with all its tokens (nothing cut short by the pauses)
+    assert all(
+        r.state is State.DONE and r.generated == 300 for r in e.s.all_requests()
+    ) or not e.s.all_requests()
+    assert e.s.snapshot().totals.completed == 30
+
+
+def test_without_first_token_pauses_the_same_burst_turns_callers_away() -> None:
+    e = burst(CalibratedPolicy(first_token_pause_share=None))
+    in_time = sum(1 for t in e.first_token.values() if t <= 2.0)
+    assert e.rejected and in_time < 30
+    assert not [v for v in e.gave_way if v[1].startswith("admit:")]
+
+
+def test_a_stream_gives_way_only_for_a_fresh_due_caller_and_not_when_about_to_finish() -> None:
+    policy = CalibratedPolicy()
+    s = measured(policy, blocks=64)
+    s.arrive("old", spec(prompt=512, max_tokens=300), 0.0)
+    old = s.requests["old"]
+    head_spec = spec(prompt=512, max_tokens=300)
+    s.arrive("head", head_spec, 0.0)
+    head = s.requests["head"]
+    assert old.state is State.ADMITTED
+    assert policy.first_token_pause_at(head) == pytest.approx(0.5 * 2.0)
+    s.charge("old", 1, 0.01)
+    assert policy.gives_way(old, head)
+    # a checkpoint waiting to resume is not a fresh caller: nothing is paused for it
+    head.generated = 5
+    assert policy.first_token_pause_at(head) is None
+    head.generated = 0
+    # a stream two tokens from its end returns its blocks sooner than a pause would
+    old.generated = old.hard_max - 2
+    assert not policy.gives_way(old, head)
+    # nor does a stream that was paused once already give way again
+    old.generated = 10
+    old.preemptions = 1
+    assert not policy.gives_way(old, head)
+
+
+def test_a_stale_release_rate_does_not_hold_the_pauses_back() -> None:
+    # a previous wave left a high release rate behind; the streams running now finish only
+    # after ~1.5 s: whether blocks come back in time for a due first token is judged from them
+    s = measured(CalibratedPolicy())
+    s.forecast.note_release(5000, 0.0)
+    assert s.forecast.release_rate(0.0) > 1000.0
+    e = Engine(s)
+    for i in range(30):
+        e.apply(s.arrive(f"r{i}", spec(), 0.0))
+    e.run()
+    assert not e.rejected and all(t <= 2.0 for t in e.first_token.values())
+    assert [v for v in e.gave_way if v[1].startswith("admit:")]
+
+
+def test_growth_asked_ahead_does_not_pause_a_stream_still_awaiting_its_first_token() -> None:
+    policy = CalibratedPolicy()
+    s = measured(policy, blocks=36)  # two 512-token prompts (16 blocks each) and 4 more
+    s.arrive("a", spec(), 0.0)
+    s.arrive("b", spec(), 0.0)
+    a, b = s.requests["a"], s.requests["b"]
+    assert a.state is State.ADMITTED and b.state is State.ADMITTED
+    s.charge("a", 1, 0.01)
+    actions: list[ev.Action] = []
+    while a.generated < a.boundary - 1 and not any(isinstance(x, ev.Preempt) for x in actions):
+        actions += s.charge("a", 1, 0.02)
+    # "b" has not had its first token: "a", asking ahead, waits rather than pause it
+    assert b.state is State.ADMITTED and not [x for x in actions if isinstance(x, ev.Preempt)]
+
+
+@pytest.mark.parametrize("share", [0.5, None])
+def test_arrival_is_not_turned_away_where_pauses_could_serve_it(
+    share: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = measured(CalibratedPolicy(first_token_pause_share=share), blocks=64)
+    for rid in ("x", "y", "z"):  # three long streams that hold the cache
+        s.arrive(rid, spec(prompt=512, max_tokens=1000), 0.0)
+    assert sum(r.state is State.ADMITTED for r in s.live.values()) == 3
+    # the wait forecast says the newcomer would wait past its bound (a slow release rate)
+    monkeypatch.setattr(Forecast, "turns_away", lambda self, wait, bound: True)
+    monkeypatch.setattr(Forecast, "wait_estimate", lambda self, req: (5.0, True))
+    actions = s.arrive("n", spec(prompt=512, max_tokens=300), 0.02)
+    rejected = [a for a in actions if isinstance(a, ev.Reject)]
+    if share is None:
+        assert rejected and rejected[0].reason == "deadline"
+    else:
+        # the three streams would give way for it: it queues, its queue bound still applies
+        assert not rejected and s.requests["n"].state is State.QUEUED
+        # a fourth and fifth fit the same streams' blocks; beyond what they hold, turned away
+        s.arrive("n2", spec(prompt=512, max_tokens=300), 0.02)
+        s.arrive("n3", spec(prompt=512, max_tokens=300), 0.02)
+        late = s.arrive("n4", spec(prompt=512, max_tokens=300), 0.02)
+        assert [a for a in late if isinstance(a, ev.Reject) and a.reason == "deadline"]
