@@ -1084,7 +1084,10 @@ class BudgetedEngine:
         """Prefill ``count`` prompts of lengths spread up to 1,024 tokens (within the model
         and the cache), one at a time and one output token each, straight to the engine: each
         step's stats feed the cost model a prefill (:meth:`_observe_step`). Token ids are a
-        fixed scatter over the vocabulary, unlike any real prompt (no prefix cache hit)."""
+        fixed scatter over the vocabulary, unlike any real prompt (no prefix cache hit). An
+        engine built without step details reports no prefill of its own: the probe's time to
+        its one output (less a decode step) is taken instead, request handling included (on
+        the safe side: a pause judged a little dearer than it is)."""
         from vllm import SamplingParams
 
         vocab = 0
@@ -1097,6 +1100,9 @@ class BudgetedEngine:
             n = max(1, longest * (i + 1) // count)
             ids = [(7919 * (i * 4099 + j) + 17) % vocab for j in range(n)]
             rid = f"kvbudget-prefill-probe-{i}-{uuid.uuid4().hex[:8]}"
+            cost = self.budget.scheduler.cost
+            seen = cost.prefill_observations
+            started = time.monotonic()
             try:
                 async for _ in self.engine.generate(
                     {"prompt_token_ids": ids}, params, request_id=rid
@@ -1105,6 +1111,9 @@ class BudgetedEngine:
             except Exception:  # a probe is an optimisation: the first callers measure instead
                 log.warning("prefill_probe_failed", exc_info=True)
                 return
+            if cost.prefill_observations == seen:  # (no step details: time it whole)
+                took = time.monotonic() - started - cost.predict_decode(1, n)
+                cost.observe_prefill(n, max(0.0, took))
 
     async def __aexit__(
         self,
