@@ -86,6 +86,10 @@ _RUNNING = State.RUNNING
 _EXTENDING = State.EXTENDING
 _RELEASING = State.RELEASING
 _PREEMPTING = State.PREEMPTING
+#: weight of each new inter-token gap in Scheduler.token_gap (about the last 100 tokens)
+_GAP_ALPHA = 0.01
+#: gaps this long are a wait (at a boundary, for a reader), not the pace: left out of it
+_GAP_MAX = 0.25
 
 
 class Scheduler:
@@ -144,6 +148,9 @@ class Scheduler:
         self.preempting = 0  # of those, preempted ones that will resume
         self.drift = 0  # last reconciliation: engine-reported minus ledger-expected blocks
         self.active_context = 0  # prompt + generated over live requests, for the cost model
+        #: seconds per token between a stream's charges, as the shell sees them (a moving
+        #: average; 0 before any): the engine's step plus everything around it
+        self.token_gap = 0.0
         self._active_by_floor: dict[float, int] = {}
         self.now = 0.0
         self.counters: dict[tuple[str, str], Counters] = {}
@@ -387,8 +394,12 @@ class Scheduler:
         else:
             lifecycle.check_transition(req, Trigger.TOKENS)
         last = req.last_token_at
-        if last is not None and now - last > req.latency_floor:
-            req.stats.stalls += 1
+        if last is not None:
+            gap = now - last
+            if gap > req.latency_floor:
+                req.stats.stalls += 1
+            elif gap < _GAP_MAX:  # (the pace streams see, the shell's overhead included)
+                self.token_gap += _GAP_ALPHA * (gap / tokens - self.token_gap)
         req.last_token_at = now
         self.active_context += tokens
         # Ledger.charge, inlined for a live request (this runs once per generated token)
@@ -1090,7 +1101,7 @@ class Scheduler:
         deficit = blocks - (self.ledger.free - self.ledger.headroom_target)
         if deficit <= 0:
             return True
-        step = self.cost.predict_decode(max(1, self.active), self.active_context)
+        step = self.step_seconds()
         within = slack / 2.0
         lengths = self.lengths
         for r in self._stopping.values():
@@ -1103,6 +1114,13 @@ class Scheduler:
             if left * step <= within:
                 deficit -= self.ledger.footprint(r)
         return deficit <= 0
+
+    def step_seconds(self) -> float:
+        """Seconds per token a running stream gets now: the cost model's decode step for the
+        active batch, or the pace observed between charges where that is slower (the engine's
+        own step timing leaves out the scheduling, output processing and serving around it)."""
+        decode = self.cost.predict_decode(max(1, self.active), self.active_context)
+        return max(decode, self.token_gap)
 
     def _served_by_pauses(self, req: Request) -> bool:
         """Could pauses for first tokens (``Policy.first_token_pause_at`` / ``gives_way``)

@@ -216,7 +216,7 @@ class CalibratedPolicy(BasePolicy):
         s = self._s
         g = victim.generated
         left = min(victim.hard_max, s.lengths.conditional_quantile(victim.key, 0.5, g)) - g
-        step = s.cost.predict_decode(max(1, s.active), s.active_context)
+        step = s.step_seconds()
         slack = s.queue_slack(head)
         held = left * step
         return held > s.cost.predict_prefill(s.ledger.reprefill_tokens(victim)) and (
