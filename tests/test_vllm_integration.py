@@ -463,6 +463,45 @@ def test_greedy_text_and_tokens_survive_pauses_and_preemptions(env: _Env) -> Non
     assert snap.completed == len(prompts) and snap.totals.failed == 0
 
 
+def test_greedy_text_survives_checkpoints_of_a_measured_engine(env: _Env) -> None:
+    """Measured at start-up (the probes), the calibrated policy grants as vLLM does and
+    checkpoints the newest stream when the cache runs out, and pauses streams for due first
+    tokens: every request still gets exactly the bare engine's greedy tokens and text."""
+    prompts = _random_prompts(env, 10, seed=3)
+    sp = _sp(PAUSE_OUT)
+
+    async def bare() -> list[tuple[list[int], str, Any]]:
+        return list(await asyncio.gather(*[
+            _stream_all(env.engine.generate({"prompt_token_ids": p}, sp, f"mbare-{i}"))
+            for i, p in enumerate(prompts)
+        ]))
+
+    ref = env.run(bare())
+
+    async def budgeted() -> tuple[list[tuple[list[int], str, Any]], Any, int, int]:
+        be = env.budgeted()
+        async with be:
+            observed = be.budget.scheduler.cost.prefill_observations
+            before = env.stats.preemptions
+            res = await asyncio.gather(*[
+                _stream_all(be.generate({"prompt_token_ids": p}, sp, f"mkvb-{i}"))
+                for i, p in enumerate(prompts)
+            ])
+            engine_preempted = env.stats.preemptions - before
+            await _settle(be)
+            return list(res), be.snapshot(), engine_preempted, observed
+
+    res, snap, engine_preempted, observed = env.run(budgeted())
+    assert observed >= 8
+    assert snap.preemptions > 0, "the 63-block cache holds 6 of the 10: someone gave way"
+    assert engine_preempted == 0
+    for i, ((ids, text, last), (rids, rtext, _)) in enumerate(zip(res, ref, strict=True)):
+        assert ids == rids, f"request {i}: tokens differ from the bare engine's"
+        assert text == rtext, f"request {i}: text differs ({len(text)} vs {len(rtext)} chars)"
+        assert last.outputs[0].finish_reason == "length"
+    assert snap.completed == len(prompts) and snap.totals.failed == 0
+
+
 def test_sampled_text_matches_its_tokens_through_pauses(env: _Env) -> None:
     prompts = _random_prompts(env, 10, seed=2)
     sp = _sp(PAUSE_OUT, temperature=1.0, top_p=0.95)
