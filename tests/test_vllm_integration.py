@@ -425,81 +425,66 @@ async def _stream_all(gen: Any) -> tuple[list[int], str, Any]:
     return ids, text, last
 
 
-def test_greedy_text_and_tokens_survive_pauses_and_preemptions(env: _Env) -> None:
-    prompts = _random_prompts(env, 10, seed=1)
+def _greedy_against_bare(
+    env: _Env, seed: int, tag: str, **budget_kw: Any
+) -> tuple[Any, int, int, int]:
+    """10 greedy prompts of PAUSE_PROMPT tokens through the bare engine and then through a
+    BudgetedEngine (``budget_kw``) on the 63-block cache: every request gets exactly the bare
+    engine's tokens and text, ending by length. Returns the snapshot, vLLM's own preemptions
+    under the budget, the adapter's pauses and the prefills the cost model had seen on entry."""
+    prompts = _random_prompts(env, 10, seed=seed)
     sp = _sp(PAUSE_OUT)
 
     async def bare() -> list[tuple[list[int], str, Any]]:
         return list(await asyncio.gather(*[
-            _stream_all(env.engine.generate({"prompt_token_ids": p}, sp, f"gbare-{i}"))
+            _stream_all(env.engine.generate({"prompt_token_ids": p}, sp, f"{tag}bare-{i}"))
             for i, p in enumerate(prompts)
         ]))
 
     ref = env.run(bare())
 
-    async def budgeted() -> tuple[list[tuple[list[int], str, Any]], Any, int, int]:
-        # (no start-up probes: the cost model stays unmeasured, so the calibrated grants and
-        # the adapter's pauses at the boundary are what the cache forces; measured, the policy
-        # grants as vLLM does and checkpoints instead, which the cold-burst test covers)
-        be = env.budgeted(classes=_pressure_classes(), prefill_probes=0)
+    async def budgeted() -> tuple[list[tuple[list[int], str, Any]], Any, int, int, int]:
+        be = env.budgeted(**budget_kw)
         async with be:
+            observed = be.budget.scheduler.cost.prefill_observations
             before = env.stats.preemptions
             res = await asyncio.gather(*[
-                _stream_all(be.generate({"prompt_token_ids": p}, sp, f"gkvb-{i}"))
+                _stream_all(be.generate({"prompt_token_ids": p}, sp, f"{tag}kvb-{i}"))
                 for i, p in enumerate(prompts)
             ])
             engine_preempted = env.stats.preemptions - before
             await _settle(be)
-            return list(res), be.snapshot(), engine_preempted, be.pauses
+            return list(res), be.snapshot(), engine_preempted, be.pauses, observed
 
-    res, snap, engine_preempted, pauses = env.run(budgeted())
-    assert pauses + snap.preemptions > 0, "the cache should have forced pauses"
-    assert snap.totals.resubmissions > 0 and snap.totals.reprefill_tokens > 0
-    assert engine_preempted == 0
+    res, snap, engine_preempted, pauses, observed = env.run(budgeted())
     for i, ((ids, text, last), (rids, rtext, _)) in enumerate(zip(res, ref, strict=True)):
         assert ids == rids, f"request {i}: tokens differ from the bare engine's"
         assert text == rtext, f"request {i}: text differs ({len(text)} vs {len(rtext)} chars)"
         assert last.outputs[0].finish_reason == "length"
     assert snap.completed == len(prompts) and snap.totals.failed == 0
+    return snap, engine_preempted, pauses, observed
+
+
+def test_greedy_text_and_tokens_survive_pauses_and_preemptions(env: _Env) -> None:
+    # (no start-up probes: the cost model stays unmeasured, so the calibrated grants and the
+    # adapter's pauses at the boundary are what the cache forces; measured, the policy grants
+    # as vLLM does and checkpoints instead: the next test)
+    snap, engine_preempted, pauses, _ = _greedy_against_bare(
+        env, 1, "g", classes=_pressure_classes(), prefill_probes=0
+    )
+    assert pauses + snap.preemptions > 0, "the cache should have forced pauses"
+    assert snap.totals.resubmissions > 0 and snap.totals.reprefill_tokens > 0
+    assert engine_preempted == 0
 
 
 def test_greedy_text_survives_checkpoints_of_a_measured_engine(env: _Env) -> None:
     """Measured at start-up (the probes), the calibrated policy grants as vLLM does and
     checkpoints the newest stream when the cache runs out, and pauses streams for due first
     tokens: every request still gets exactly the bare engine's greedy tokens and text."""
-    prompts = _random_prompts(env, 10, seed=3)
-    sp = _sp(PAUSE_OUT)
-
-    async def bare() -> list[tuple[list[int], str, Any]]:
-        return list(await asyncio.gather(*[
-            _stream_all(env.engine.generate({"prompt_token_ids": p}, sp, f"mbare-{i}"))
-            for i, p in enumerate(prompts)
-        ]))
-
-    ref = env.run(bare())
-
-    async def budgeted() -> tuple[list[tuple[list[int], str, Any]], Any, int, int]:
-        be = env.budgeted()
-        async with be:
-            observed = be.budget.scheduler.cost.prefill_observations
-            before = env.stats.preemptions
-            res = await asyncio.gather(*[
-                _stream_all(be.generate({"prompt_token_ids": p}, sp, f"mkvb-{i}"))
-                for i, p in enumerate(prompts)
-            ])
-            engine_preempted = env.stats.preemptions - before
-            await _settle(be)
-            return list(res), be.snapshot(), engine_preempted, observed
-
-    res, snap, engine_preempted, observed = env.run(budgeted())
+    snap, engine_preempted, _, observed = _greedy_against_bare(env, 3, "m")
     assert observed >= 8
     assert snap.preemptions > 0, "the 63-block cache holds 6 of the 10: someone gave way"
     assert engine_preempted == 0
-    for i, ((ids, text, last), (rids, rtext, _)) in enumerate(zip(res, ref, strict=True)):
-        assert ids == rids, f"request {i}: tokens differ from the bare engine's"
-        assert text == rtext, f"request {i}: text differs ({len(text)} vs {len(rtext)} chars)"
-        assert last.outputs[0].finish_reason == "length"
-    assert snap.completed == len(prompts) and snap.totals.failed == 0
 
 
 def test_sampled_text_matches_its_tokens_through_pauses(env: _Env) -> None:
