@@ -304,12 +304,15 @@ class Scheduler:
         queue bound, which leaves room for its prefill under a first-token objective? False
         when it has no such bound, when the bound has passed, and when no release was seen yet
         (no evidence that blocks come back in time)."""
-        slack = self.forecast.wait_bound(req, self.now)
+        slack = self.queue_slack(req)
         rate = self.forecast.release_rate(self.now)
         if slack is None or rate <= 0.0 or slack <= 0.0:
             return False
-        deficit = blocks - (self.ledger.free - self.ledger.headroom_target)
-        return deficit / rate <= slack
+        return self._deficit(blocks) / rate <= slack
+
+    def _deficit(self, blocks: int) -> int:
+        """Blocks of ``blocks`` that what is free past the headroom target does not cover."""
+        return blocks - (self.ledger.free - self.ledger.headroom_target)
 
     def queue_slack(self, req: Request) -> float | None:
         """Seconds the queued ``req`` may still wait for admission (None: unbounded)."""
@@ -1030,7 +1033,7 @@ class Scheduler:
         # class, the victim's recompute would displace its work one for one, and the head, served
         # before that backlog by strict priority, gets the next release anyway.
         # A policy may also pause running streams for a first token that would come too late
-        # (Policy.first_token_due / gives_way): the backlog spares none of those, the point
+        # (Policy.first_token_pause_at / gives_way): the backlog spares none of those, the point
         # being a first token now for work deferred.
         gives_way = getattr(self.policy, "gives_way", None) if due else None
         candidates = [
@@ -1084,7 +1087,7 @@ class Scheduler:
         at = self._first_token_pause_at(req)
         if at is None:
             return False
-        slack = self.forecast.wait_bound(req, self.now)
+        slack = self.queue_slack(req)
         return slack is not None and slack <= at
 
     def _back_in_time(self, req: Request, blocks: int) -> bool:
@@ -1095,25 +1098,30 @@ class Scheduler:
         previous wave says little about the streams running now; blocks already being released
         count. Half: the forecast of a first token is the optimistic side of a race with its
         objective."""
-        slack = self.forecast.wait_bound(req, self.now)
+        slack = self.queue_slack(req)
         if slack is None:
             return True
-        deficit = blocks - (self.ledger.free - self.ledger.headroom_target)
+        deficit = self._deficit(blocks)
         if deficit <= 0:
             return True
         step = self.step_seconds()
         within = slack / 2.0
-        lengths = self.lengths
         for r in self._stopping.values():
             deficit -= r.blocks
         for r in self.live.values():
             if deficit <= 0:
                 break
-            g = r.generated
-            left = min(r.hard_max, lengths.conditional_quantile(r.key, 0.5, g)) - g
-            if left * step <= within:
+            if self.seconds_left(r, step) <= within:
                 deficit -= self.ledger.footprint(r)
         return deficit <= 0
+
+    def seconds_left(self, req: Request, step: float | None = None) -> float:
+        """Seconds the live ``req`` is expected to hold its blocks still: the tokens to its
+        conditional median length (capped at its hard max) at ``step`` seconds each (default
+        :meth:`step_seconds`)."""
+        g = req.generated
+        left = min(req.hard_max, self.lengths.conditional_quantile(req.key, 0.5, g)) - g
+        return left * (self.step_seconds() if step is None else step)
 
     def step_seconds(self) -> float:
         """Seconds per token a running stream gets now: the cost model's decode step for the

@@ -214,11 +214,8 @@ class CalibratedPolicy(BasePolicy):
         ):
             return False
         s = self._s
-        g = victim.generated
-        left = min(victim.hard_max, s.lengths.conditional_quantile(victim.key, 0.5, g)) - g
-        step = s.step_seconds()
         slack = s.queue_slack(head)
-        held = left * step
+        held = s.seconds_left(victim)
         return held > s.cost.predict_prefill(s.ledger.reprefill_tokens(victim)) and (
             slack is None or held > 0.25 * slack
         )

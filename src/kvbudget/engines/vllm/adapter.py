@@ -1096,11 +1096,11 @@ class BudgetedEngine:
         vocab = vocab if vocab > 1 else 256
         longest = max(1, min(1024, self.max_model_len - 2, self.capacity.tokens // 2))
         params = SamplingParams(max_tokens=1, temperature=0.0)
+        cost = self.budget.scheduler.cost
         for i in range(count):
             n = max(1, longest * (i + 1) // count)
             ids = [(7919 * (i * 4099 + j) + 17) % vocab for j in range(n)]
             rid = f"kvbudget-prefill-probe-{i}-{uuid.uuid4().hex[:8]}"
-            cost = self.budget.scheduler.cost
             seen = cost.prefill_observations
             started = time.monotonic()
             try:
