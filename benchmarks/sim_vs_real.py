@@ -141,6 +141,7 @@ class Planned:
     prompt_tokens: int
     output_tokens: int
     shared_prefix_tokens: int = 0
+    system_prompt: int | None = None  # which shared prefix (None: no shared prefix)
     leave_after: int | None = None
 
 
@@ -179,6 +180,11 @@ _BENCH_DEFAULTS = {
     "random_range_ratio": 0.0,
     "request_rate": math.inf,
     "burstiness": 1.0,
+    # vLLM's prefix_repetition dataset
+    "prefix_repetition_prefix_len": 256.0,
+    "prefix_repetition_suffix_len": 256.0,
+    "prefix_repetition_num_prefixes": 10.0,
+    "prefix_repetition_output_len": 128.0,
 }
 
 
@@ -210,30 +216,81 @@ def vllm_random_plan(
     rng = np.random.default_rng(seed)
     inputs = rng.integers(in_lo, in_hi + 1, size=n)
     outputs = rng.integers(out_lo, out_hi + 1, size=n)
-    rate, burst = o["request_rate"], o["burstiness"]
-    if math.isinf(rate):
-        arrivals = [0.0] * n
-    else:
-        legacy = np.random.RandomState(seed)  # serve.main_async: np.random.seed(args.seed)
-        gaps = (
-            [1.0 / rate] * n
-            if math.isinf(burst)
-            else [float(legacy.gamma(shape=burst, scale=1.0 / (rate * burst))) for _ in range(n)]
-        )
-        arrivals = list(np.cumsum(gaps))
-        if arrivals[-1] > 0:
-            scale = (n / rate) / arrivals[-1]
-            arrivals = [a * scale for a in arrivals]
+    arrivals = bench_arrivals(o, n, seed)
     shared = tok.num_special + prefix if prefix > 0 else 0
     return [
         Planned(
             index=i,
-            arrival_s=float(arrivals[i]),
+            arrival_s=arrivals[i],
             prompt_tokens=tok.num_special + prefix + int(inputs[i]),
             output_tokens=int(outputs[i]),
             shared_prefix_tokens=shared,
+            system_prompt=0 if shared else None,
         )
         for i in range(n)
+    ]
+
+
+def bench_arrivals(
+    o: Mapping[str, float], n: int, seed: int, legacy: np.random.RandomState | None = None
+) -> list[float]:
+    """The send times of ``vllm bench serve`` (module docstring), drawn from ``legacy``: numpy's
+    global generator as ``get_request`` finds it (default: just seeded, as the random dataset
+    leaves it: serve.main_async calls ``np.random.seed(args.seed)``)."""
+    rate, burst = o["request_rate"], o["burstiness"]
+    if math.isinf(rate):
+        return [0.0] * n
+    if legacy is None:
+        legacy = np.random.RandomState(seed)
+    gaps = (
+        [1.0 / rate] * n
+        if math.isinf(burst)
+        else [float(legacy.gamma(shape=burst, scale=1.0 / (rate * burst))) for _ in range(n)]
+    )
+    arrivals = [float(a) for a in np.cumsum(gaps)]
+    if arrivals[-1] > 0:
+        scale = (n / rate) / arrivals[-1]
+        arrivals = [a * scale for a in arrivals]
+    return arrivals
+
+
+def vllm_prefix_repetition_plan(
+    workload: sb.Workload, n: int, seed: int, tok: TokenizerInfo
+) -> list[Planned]:
+    """The requests of vLLM's ``prefix_repetition`` dataset (``PrefixRepetitionRandomDataset.
+    sample``): ``num_prefixes`` prefixes, ``n // num_prefixes`` prompts each of exactly
+    prefix + suffix tokens (plus the BOS the server adds), built prefix by prefix and then
+    shuffled by Python's ``random`` seeded with ``seed``; every output is ``output_len``. The
+    dataset draws its tokens from numpy's global generator, which the arrivals then continue:
+    those draws are replayed, but not the few more it makes where a prompt does not decode and
+    re-encode to its length (the translation check shows the send times that differ then)."""
+    import random
+
+    o = bench_options(workload)
+    num_prefixes = int(o["prefix_repetition_num_prefixes"])
+    per_prefix = n // num_prefixes
+    if per_prefix == 0:
+        raise ValueError(f"{n} requests for {num_prefixes} prefixes")
+    prefix_len = int(o["prefix_repetition_prefix_len"])
+    suffix_len = int(o["prefix_repetition_suffix_len"])
+    order = [k for k in range(num_prefixes) for _ in range(per_prefix)]
+    random.Random(seed).shuffle(order)
+    legacy = np.random.RandomState(seed)
+    for _ in range(num_prefixes):
+        legacy.randint(0, tok.vocab_size, size=prefix_len)
+        for _ in range(per_prefix):
+            legacy.randint(0, tok.vocab_size, size=suffix_len)
+    arrivals = bench_arrivals(o, len(order), seed, legacy)
+    return [
+        Planned(
+            index=i,
+            arrival_s=arrivals[i],
+            prompt_tokens=tok.num_special + prefix_len + suffix_len,
+            output_tokens=int(o["prefix_repetition_output_len"]),
+            shared_prefix_tokens=tok.num_special + prefix_len,
+            system_prompt=k,
+        )
+        for i, k in enumerate(order)
     ]
 
 
@@ -251,14 +308,17 @@ def abandon_workload_plan(n: int, seed: int, tok: TokenizerInfo) -> list[Planned
 
 
 def plan_workload(
-    name: str, seed: int, tok: TokenizerInfo, scale: float = 1.0
+    name: str, seed: int, tok: TokenizerInfo, scale: float = 1.0,
+    bench_args: Sequence[str] = (),
 ) -> list[Planned]:
     """The requests of serve_bench's workload ``name`` (its request count times ``scale``, as
-    ``--num-prompts-scale``)."""
-    workload = sb.WORKLOADS[name]
+    ``--num-prompts-scale``; ``bench_args`` as serve_bench's ``--bench-arg``)."""
+    workload = sb.WORKLOADS[name].with_args(bench_args)
     n = sb.num_prompts(workload, scale)
     if workload.kind == "abandon":
         return abandon_workload_plan(n, seed, tok)
+    if workload.dataset == "prefix_repetition":
+        return vllm_prefix_repetition_plan(workload, n, seed, tok)
     return vllm_random_plan(workload, n, seed, tok)
 
 
@@ -296,7 +356,7 @@ def sim_requests(plan: Sequence[Planned]) -> tuple[Scenario, tuple[SimRequest, .
         out.append(
             attrs.evolve(
                 r, spec=spec, request_id=f"r{p.index}", abandon_after_tokens=p.leave_after,
-                system_prompt=0 if shared else None, system_prompt_tokens=shared,
+                system_prompt=p.system_prompt, system_prompt_tokens=shared,
             )
         )
     return scenario, tuple(out)
@@ -350,6 +410,7 @@ def simulate_workloads(
     seed: int = 0,
     scale: float = 1.0,
     tok: TokenizerInfo = TINY_TOKENIZER,
+    bench_args: Sequence[str] = (),
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``{workload: {server: summary}}`` of the simulated runs, workloads in serve_bench's order,
     each server's budget models carried from one workload to the next (module docstring)."""
@@ -358,7 +419,7 @@ def simulate_workloads(
     carried = {s: (LengthModel(), CostModel()) for s in SERVERS}
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name in [w for w in sb.WORKLOADS if w in names]:
-        scenario, reqs = sim_requests(plan_workload(name, seed, tok, scale))
+        scenario, reqs = sim_requests(plan_workload(name, seed, tok, scale, bench_args))
         per: dict[str, dict[str, Any]] = {}
         for server in SERVERS:
             lengths, cost = carried[server]
@@ -459,6 +520,7 @@ def run_real(opts: argparse.Namespace, out_dir: Path) -> Path:
         argv += ["--model", str(opts.model)]
     for name in opts.workloads:
         argv += ["--workload", name]
+    argv += [f"--bench-arg={arg}" for arg in opts.bench_arg]
     print(f"# real run: {' '.join(argv[1:])}", file=sys.stderr, flush=True)
     # the machine's load around the run: the engine's speed depends on it (2 shared cores)
     before = os.getloadavg()
@@ -598,6 +660,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     src.add_argument("--sim-only", action="store_true", help="no real side at all")
     p.add_argument("--workload", action="append", choices=list(sb.WORKLOADS), default=None,
                    help="repeatable; default all, in serve_bench's order")
+    p.add_argument("--bench-arg", action="append", default=[], metavar="ARG",
+                   help="serve_bench's --bench-arg (a held-out variant; with --real, the ones "
+                        "that run was made with)")
     p.add_argument("--engine-profile", default=RUN_PROFILE,
                    help=f"profile file or shipped name, or {RUN_PROFILE!r}: the one the kvbudget "
                         f"server fitted from its steps in the real run (default; "
@@ -698,10 +763,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"# engine profile: {profile.name} ({profile.source})", file=sys.stderr)
     sim = simulate_workloads(
         opts.workloads, profile=profile, policy=opts.policy, seed=opts.seed,
-        scale=opts.num_prompts_scale, tok=tok,
+        scale=opts.num_prompts_scale, tok=tok, bench_args=opts.bench_arg,
     )
     result = compare(real, sim)
-    plans = {w: plan_workload(w, opts.seed, tok, opts.num_prompts_scale) for w in opts.workloads}
+    plans = {
+        w: plan_workload(w, opts.seed, tok, opts.num_prompts_scale, opts.bench_arg)
+        for w in opts.workloads
+    }
     checks = translation_check(plans, records)
     print("real / sim per workload and server (rej = HTTP 429 + 503; good err = (sim - real) "
           f"/ real; target: within {100 * TARGET_SHARE:.0f} % or {TARGET_REQUESTS} requests)")
@@ -740,6 +808,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "policies": {"vllm": VLLM_POLICY, "kvbudget": opts.policy},
             "seed": opts.seed,
             "num_prompts_scale": opts.num_prompts_scale,
+            "bench_args": list(opts.bench_arg),
             "slo": {"ttft_s": sb.SLO_TTFT_S, "tpot_ms": sb.SLO_TPOT_S * 1000},
             "target": {"share": TARGET_SHARE, "requests": TARGET_REQUESTS},
         },

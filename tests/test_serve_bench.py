@@ -212,3 +212,18 @@ def test_false_rejections_are_the_turned_away_that_vllm_served_in_time() -> None
     assert sb.false_rejections(ref, mine) == 2  # indices 0 and 4
     assert sb.false_rejections(ref, []) == 0
     assert sb.request_index("sb-kvbudget-serve-shared-prefix-r0-c4f2aa-27") == "27"
+
+
+def test_bench_args_append_to_sampled_workloads_and_split_equals() -> None:
+    base = sb.WORKLOADS["shared-prefix"]
+    held_out = base.with_args(["--random-prefix-len=1024", "--random-input-len", "128"])
+    assert held_out.bench_args[: len(base.bench_args)] == base.bench_args
+    assert held_out.bench_args[len(base.bench_args):] == (
+        "--random-prefix-len", "1024", "--random-input-len", "128"
+    )
+    assert held_out.name == base.name and held_out.dataset == "random"
+    assert base.with_args([]) is base
+    assert sb.WORKLOADS["abandon"].with_args(["--random-prefix-len=9"]) is sb.WORKLOADS["abandon"]
+    args = sb.parse_args(["--workload", "multi-prefix", "--bench-arg=--request-rate=20"])
+    assert args.workloads == ["multi-prefix"] and args.bench_arg == ["--request-rate=20"]
+    assert sb.WORKLOADS["multi-prefix"].dataset == "prefix_repetition"

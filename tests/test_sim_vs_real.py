@@ -4,6 +4,7 @@ its JSON shape over a small ``--real`` fixture."""
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
 import math
@@ -94,8 +95,13 @@ def test_abandon_is_serve_benchs_own_plan() -> None:
 
 def test_sim_requests_ask_for_exactly_their_length() -> None:
     plan = svr.plan_workload("shared-prefix", 0, TOK)[:5] + svr.plan_workload("abandon", 0, TOK)[:5]
-    plan = [svr.Planned(i, p.arrival_s, p.prompt_tokens, p.output_tokens, 513 if i < 5 else 0,
-                        p.leave_after) for i, p in enumerate(plan)]
+    plan = [
+        svr.Planned(
+            i, p.arrival_s, p.prompt_tokens, p.output_tokens, 513 if i < 5 else 0,
+            system_prompt=0 if i < 5 else None, leave_after=p.leave_after,
+        )
+        for i, p in enumerate(plan)
+    ]
     plan.sort(key=lambda p: p.arrival_s)
     scenario, reqs = svr.sim_requests(plan)
     assert scenario.interactive_share == 1.0 and scenario.abandon_share == 0.0
@@ -107,6 +113,28 @@ def test_sim_requests_ask_for_exactly_their_length() -> None:
         assert r.abandon_after_tokens == p.leave_after and r.abandon_after_s is None
         assert r.system_prompt_tokens == p.shared_prefix_tokens
         assert r.system_prompt == (0 if p.shared_prefix_tokens else None)
+
+
+def test_the_multi_prefix_plan_is_vllms_prefix_repetition_dataset() -> None:
+    plan = svr.plan_workload("multi-prefix", 0, TOK)
+    assert len(plan) == 160
+    assert {p.prompt_tokens for p in plan} == {1 + 384 + 128}
+    assert {p.shared_prefix_tokens for p in plan} == {1 + 384}
+    assert {p.output_tokens for p in plan} == {200}
+    per_prefix = collections.Counter(p.system_prompt for p in plan)
+    assert per_prefix == {k: 32 for k in range(5)}
+    order = [p.system_prompt for p in plan]
+    assert order != sorted(order)  # shuffled, as vLLM's dataset is
+    arrivals = [p.arrival_s for p in plan]
+    assert arrivals == sorted(arrivals) and arrivals[-1] == pytest.approx(160 / 40)
+    again = svr.plan_workload("multi-prefix", 0, TOK)
+    assert [p.system_prompt for p in again] == order
+    held_out = svr.plan_workload(
+        "multi-prefix", 0, TOK, bench_args=["--prefix-repetition-num-prefixes=2"]
+    )
+    assert collections.Counter(p.system_prompt for p in held_out) == {0: 80, 1: 80}
+    longer = svr.plan_workload("shared-prefix", 0, TOK, bench_args=["--random-prefix-len=1024"])
+    assert {p.shared_prefix_tokens for p in longer} == {1 + 1024}
 
 
 # -- the SLO rule -------------------------------------------------------------------------------
