@@ -29,7 +29,7 @@ from typing import Any, Literal
 import attrs
 
 from kvbudget.auth import ApiKeys, load_api_keys
-from kvbudget.cli import quantile_or_off
+from kvbudget.cli import add_first_token_pause_option, quantile_or_off, server_policy
 from kvbudget.core.config import SchedulerConfig
 from kvbudget.engines.tiny_model import configure_cpu_vllm_env, tiny_engine_args
 from kvbudget.errors import InvalidInput
@@ -93,6 +93,7 @@ def make_parser(description: str, default_port: int) -> argparse.ArgumentParser:
              "by this quantile of recent real / estimated waits still passes its bound; off: on "
              "the raw estimate (SchedulerConfig.turn_away_wait_quantile; default %(default)s)",
     )
+    add_first_token_pause_option(p)
     p.add_argument(
         "--build-tiny-model", action="store_true",
         help="build the tiny random test Llama into --model first (seconds; skipped if there)",
@@ -180,8 +181,12 @@ async def running_engine(args: argparse.Namespace) -> AsyncIterator[Any]:
         keys.check_classes(c.name for c in classes)
         config = attrs.evolve(config, tenant_weights=keys.tenant_weights())
         known = keys.tenants
+    try:
+        policy = server_policy(args.policy, args.first_token_pause_share)
+    except InvalidInput as exc:
+        raise SystemExit(f"cannot start: {exc}") from None
     engine = BudgetedEngine.from_engine_args(
-        engine_args(args), classes=classes, policy=args.policy, model=model_name(args),
+        engine_args(args), classes=classes, policy=policy, model=model_name(args),
         config=config,
         names=NameLimits(
             max_tenants=args.max_tenants, max_tasks=args.max_tasks, known_tenants=known

@@ -101,3 +101,30 @@ def test_the_fastapi_app_checks_keys_and_sizes_before_the_engine(tmp_path: pathl
             ]
 
     assert anyio.run(main) == [401, 401, 413, 503, 404]
+
+
+def test_the_first_token_pause_share_option_reaches_the_calibrated_policy() -> None:
+    from kvbudget.cli import POLICY_DEFAULT, server_policy
+    from kvbudget.core.policy.calibrated import CalibratedPolicy
+    from kvbudget.errors import InvalidInput
+
+    parser = _common.make_parser("test", 8000)
+    base = ["--model", "/m"]
+    args = parser.parse_args(base)
+    assert args.first_token_pause_share == POLICY_DEFAULT
+    assert server_policy(args.policy, args.first_token_pause_share) == "calibrated"
+    off = server_policy("calibrated", parser.parse_args([*base, "--first-token-pause-share", "off"])
+                        .first_token_pause_share)
+    assert isinstance(off, CalibratedPolicy) and off.first_token_pause_share is None
+    quarter = server_policy(
+        "calibrated", parser.parse_args([*base, "--first-token-pause-share", "0.25"])
+        .first_token_pause_share,
+    )
+    assert isinstance(quarter, CalibratedPolicy) and quarter.first_token_pause_share == 0.25
+    for bad in ("0", "1.5", "nan", "-0.1", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*base, "--first-token-pause-share", bad])
+    with pytest.raises(InvalidInput, match="calibrated policy only"):
+        server_policy("reserve-max", None)
+    assert server_policy("reserve-max", POLICY_DEFAULT) == "reserve-max"
+

@@ -283,5 +283,15 @@ def test_metrics_carry_vllms_and_kvbudgets(server: dict[str, Any]) -> None:
     assert "kvbudget_completed_total" in text and "kvbudget_engine_preemptions_total" in text
 
 
+def test_kvbudget_serve_takes_the_examples_first_token_pause_option() -> None:
+    from kvbudget.cli import POLICY_DEFAULT
+    from kvbudget.serve import make_parser
+
+    parser = make_parser()
+    assert parser.parse_args([]).kvbudget_first_token_pause_share == POLICY_DEFAULT
+    args = parser.parse_args(["--kvbudget-first-token-pause-share", "off"])
+    assert args.kvbudget_first_token_pause_share is None
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))

@@ -39,6 +39,7 @@ from typing import Any
 import attrs
 
 from kvbudget.auth import ApiKeys, load_api_keys
+from kvbudget.cli import POLICY_DEFAULT, add_first_token_pause_option, server_policy
 from kvbudget.core.config import SchedulerConfig
 from kvbudget.core.model import DEFAULT_CLASSES, ServiceClass
 from kvbudget.errors import (
@@ -430,6 +431,7 @@ def make_parser() -> Any:
     )
     group = parser.add_argument_group("kvbudget")  # type: ignore[no-untyped-call]
     group.add_argument("--kvbudget-policy", default="calibrated", help="budget policy")
+    add_first_token_pause_option(group, "--kvbudget-first-token-pause-share")
     group.add_argument(
         "--kvbudget-classes", default=None, metavar="FILE",
         help="service classes: a JSON list of ServiceClass fields (default: interactive, batch)",
@@ -489,7 +491,10 @@ async def serve(args: argparse.Namespace) -> None:
     engine = BudgetedEngine.from_engine_args(
         engine_args,
         classes=classes,
-        policy=args.kvbudget_policy,
+        policy=server_policy(
+            args.kvbudget_policy,
+            getattr(args, "kvbudget_first_token_pause_share", POLICY_DEFAULT),
+        ),
         model=names[0] if names else None,
         config=config,
         names=limits,
