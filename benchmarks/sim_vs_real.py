@@ -25,7 +25,10 @@ gamma gaps with shape ``burstiness`` and scale ``1 / (rate * burstiness)``, resc
 ``n / rate``, as ``vllm.benchmarks.serve.get_request``; ``rate inf``: all at 0); the prompt length
 is the sampled one plus the tokenizer's special tokens (the BOS the server adds) plus the shared
 ``--random-prefix-len``, which becomes a shared system prompt whose full blocks the simulated
-engine's prefix cache holds once. The abandonment workload is serve_bench's own
+engine's prefix cache holds once. vLLM's ``prefix_repetition`` dataset (``multi-prefix``) is
+planned as :func:`vllm_prefix_repetition_plan` draws it: each request's prefix after vLLM's
+shuffle, one shared system prompt per prefix. ``--bench-arg`` is serve_bench's (the same flags
+as the run compared). The abandonment workload is serve_bench's own
 :func:`serve_bench.abandon_plan` (same seed, same vocabulary), and a leaving client disconnects
 once it has received its planned number of tokens (``SimRequest.abandon_after_tokens``). Every
 request asks for exactly its output length (``max_tokens`` = length, ``ignore_eos``).
