@@ -29,12 +29,13 @@ from typing import Any, Literal
 import attrs
 
 from kvbudget.auth import ApiKeys, load_api_keys
-from kvbudget.cli import add_first_token_pause_option, quantile_or_off, server_policy
+from kvbudget.cli import quantile_or_off
 from kvbudget.core.config import SchedulerConfig
 from kvbudget.engines.tiny_model import configure_cpu_vllm_env, tiny_engine_args
 from kvbudget.errors import InvalidInput
 from kvbudget.guard import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES
 from kvbudget.names import DEFAULT_MAX_TASKS, DEFAULT_MAX_TENANTS, NameLimits
+from kvbudget.policy_options import add_first_token_pause_option, server_policy
 
 # Request headers (HTTP) / metadata keys (gRPC, lower case) understood by the examples.
 HEADER_CLASS = "X-KVBudget-Class"

@@ -104,9 +104,9 @@ def test_the_fastapi_app_checks_keys_and_sizes_before_the_engine(tmp_path: pathl
 
 
 def test_the_first_token_pause_share_option_reaches_the_calibrated_policy() -> None:
-    from kvbudget.cli import POLICY_DEFAULT, server_policy
     from kvbudget.core.policy.calibrated import CalibratedPolicy
     from kvbudget.errors import InvalidInput
+    from kvbudget.policy_options import POLICY_DEFAULT, server_policy
 
     parser = _common.make_parser("test", 8000)
     base = ["--model", "/m"]

@@ -284,7 +284,7 @@ def test_metrics_carry_vllms_and_kvbudgets(server: dict[str, Any]) -> None:
 
 
 def test_kvbudget_serve_takes_the_examples_first_token_pause_option() -> None:
-    from kvbudget.cli import POLICY_DEFAULT
+    from kvbudget.policy_options import POLICY_DEFAULT
     from kvbudget.serve import make_parser
 
     parser = make_parser()

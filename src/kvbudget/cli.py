@@ -17,12 +17,9 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final, TextIO
+from typing import Any, TextIO
 
 import attrs
-
-if TYPE_CHECKING:
-    from kvbudget.core.policy.base import Policy
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main", "subcommand"]
 
@@ -126,51 +123,6 @@ def quantile_or_off(text: str) -> float | None:
     if v >= 1:
         raise argparse.ArgumentTypeError(f"expected a quantile in (0, 1) or 'off', got {text!r}")
     return v
-
-
-#: ``--first-token-pause-share default`` (and not given): the policy's own setting
-POLICY_DEFAULT: Final = "default"
-
-
-def share_or_off(text: str) -> float | str | None:
-    """An ``argparse`` type: ``off`` (None), ``default`` (:data:`POLICY_DEFAULT`) or a share in
-    (0, 1]."""
-    if text == "off":
-        return None
-    if text == POLICY_DEFAULT:
-        return POLICY_DEFAULT
-    v = _positive_float(text)
-    if v > 1:
-        raise argparse.ArgumentTypeError(f"expected a share in (0, 1] or 'off', got {text!r}")
-    return v
-
-
-def add_first_token_pause_option(parser: Any, flag: str = "--first-token-pause-share") -> None:
-    """The servers' option for :class:`~kvbudget.core.policy.calibrated.CalibratedPolicy`'s
-    ``first_token_pause_share`` (read back with :func:`server_policy`)."""
-    parser.add_argument(
-        flag, type=share_or_off, default=POLICY_DEFAULT, metavar="S|off|default",
-        help="calibrated policy: pause running streams for a fresh interactive caller once its "
-             "queue slack falls to this share of its first-token objective; off: never (for a "
-             "per-token latency SLO, where a stall costs more than a late first token). "
-             "Default: the policy's (0.5)",
-    )
-
-
-def server_policy(name: str, first_token_pause_share: float | str | None) -> Policy | str:
-    """The policy a server runs: ``name``, with ``first_token_pause_share`` unless it is
-    :data:`POLICY_DEFAULT`; only the calibrated policy has that setting."""
-    from kvbudget.core.policy import make_policy
-    from kvbudget.errors import InvalidInput
-
-    if first_token_pause_share == POLICY_DEFAULT:
-        return name
-    if name != "calibrated":
-        raise InvalidInput(
-            "first_token_pause_share", first_token_pause_share,
-            f"a setting of the calibrated policy only (the policy is {name!r})",
-        )
-    return make_policy(name, first_token_pause_share=first_token_pause_share)
 
 
 def _int_at_least(minimum: int, text: str) -> int:

@@ -39,7 +39,6 @@ from typing import Any
 import attrs
 
 from kvbudget.auth import ApiKeys, load_api_keys
-from kvbudget.cli import POLICY_DEFAULT, add_first_token_pause_option, server_policy
 from kvbudget.core.config import SchedulerConfig
 from kvbudget.core.model import DEFAULT_CLASSES, ServiceClass
 from kvbudget.errors import (
@@ -59,6 +58,7 @@ from kvbudget.guard import (
     send_json,
 )
 from kvbudget.names import DEFAULT_MAX_TASKS, DEFAULT_MAX_TENANTS, NameLimits
+from kvbudget.policy_options import POLICY_DEFAULT, add_first_token_pause_option, server_policy
 from kvbudget.vllm import MAX_PARALLEL_SAMPLES, BudgetedEngine
 
 #: request headers (case-insensitive) -> the budget option they set
