@@ -375,7 +375,9 @@ def test_client_that_disconnects_returns_its_kv(http_url: str, servers: dict[str
                     polls_before_chunk += not leaving
                     if leaving and snap["reserved_blocks"] == idle_blocks:
                         return
-                    await asyncio.sleep(0.002)
+                    # (not every 2 ms: such a watcher competes with the server for 2 cores;
+                    # in one CI run every attempt's stream then reached the client whole)
+                    await asyncio.sleep(0.02)
 
             async with httpx.AsyncClient(timeout=30) as http:
                 watcher = asyncio.create_task(watch(http))
@@ -647,11 +649,14 @@ def test_grpc_streams_cancels_and_is_exhausted(grpc_target: str) -> None:
             else:
                 pytest.fail(f"every stream finished before its client left ({ATTEMPTS} tries)")
 
-            # a flood: RESOURCE_EXHAUSTED with retry-after-ms, admitted streams finish
+            # a flood: RESOURCE_EXHAUSTED with retry-after-ms, admitted streams finish. Seeded:
+            # such a request is never paused (granted its hard max), so 3 of the 16 fit the
+            # cache at a time and the rest cannot all start in time; unseeded, the calibrated
+            # policy's first-token pauses could serve the whole flood on a fast machine
             async def one(i: int) -> tuple[str, Any]:
-                call = stub.Generate(
-                    pb.GenerateRequest(prompt=f"flood {i}", max_tokens=LONG, ignore_eos=True)
-                )
+                call = stub.Generate(pb.GenerateRequest(
+                    prompt=f"flood {i}", max_tokens=LONG, ignore_eos=True, seed=i
+                ))
                 try:
                     last = None
                     async for m in call:
