@@ -432,14 +432,16 @@ class ServerError(RuntimeError):
 class ServerProcess:
     """A server subprocess in its own process group; ``with`` starts it and always stops it."""
 
-    def __init__(self, spec: ServerSpec, argv: list[str], port: int, log_path: Path) -> None:
+    def __init__(
+        self, spec: ServerSpec, argv: list[str], port: int, log_path: Path, nice: int = 0
+    ) -> None:
         self.spec = spec
         self.argv = argv
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
-        self.nice = 0
+        self.nice = nice
         self.startup_s: float | None = None
         self.shutdown_s: float | None = None
 
@@ -1487,8 +1489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             meta: dict[str, Any] = {"argv": argv_[1:], "port": port}
             servers_meta[spec.name] = meta
             print(f"# starting {spec.name}: {' '.join(argv_[1:])}", flush=True)
-            srv = ServerProcess(spec, argv_, port, log_path)
-            srv.nice = opts.server_nice
+            srv = ServerProcess(spec, argv_, port, log_path, nice=opts.server_nice)
             meta["nice"] = opts.server_nice
             try:
                 with srv:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvbudget.sim.prefix import MOONCAKE_HASH_BLOCK_TOKENS
+
 
 def _write(path: Path, ts: Iterable[float], prompt: Iterable[float], out: Iterable[float]) -> None:
     t0 = dt.datetime(2024, 1, 1)
@@ -72,8 +74,8 @@ def main() -> None:
     print(f"wrote code.csv, reason.csv, bursty.csv, longctx.jsonl, sessions.jsonl to {out_dir}")
 
 
-#: tokens per Mooncake ``hash_ids`` entry
-HASH_BLOCK = 512
+#: tokens per Mooncake ``hash_ids`` entry (the simulator's, which expands them)
+HASH_BLOCK = MOONCAKE_HASH_BLOCK_TOKENS
 
 
 def _write_sessions(path: Path, rng: np.random.Generator) -> None:

@@ -5,7 +5,6 @@ policy a server then runs. Kept apart from :mod:`kvbudget.cli`, which imports th
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Any, Final
 
 from kvbudget.core.policy import make_policy
@@ -29,7 +28,7 @@ def share_or_off(text: str) -> float | str | None:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (0.0 < v <= 1.0) or math.isnan(v):
+    if not 0.0 < v <= 1.0:  # (NaN and inf fail it too)
         raise argparse.ArgumentTypeError(f"expected a share in (0, 1] or 'off', got {text!r}")
     return v
 
