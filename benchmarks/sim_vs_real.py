@@ -28,7 +28,10 @@ is the sampled one plus the tokenizer's special tokens (the BOS the server adds)
 engine's prefix cache holds once. vLLM's ``prefix_repetition`` dataset (``multi-prefix``) is
 planned as :func:`vllm_prefix_repetition_plan` draws it: each request's prefix after vLLM's
 shuffle, one shared system prompt per prefix. ``--bench-arg`` is serve_bench's (the same flags
-as the run compared). The abandonment workload is serve_bench's own
+as the run compared). ``--send-times real`` (with ``--real`` records) replaces the planned
+arrivals by the times the real client sent each request to each server: on this 2-core machine
+the client is sometimes not scheduled for 0.3-2.5 s and then sends what fell due at once, and
+those bursts are what a budget's turn-away reacts to. The abandonment workload is serve_bench's own
 :func:`serve_bench.abandon_plan` (same seed, same vocabulary), and a leaving client disconnects
 once it has received its planned number of tokens (``SimRequest.abandon_after_tokens``). Every
 request asks for exactly its output length (``max_tokens`` = length, ``ignore_eos``).
@@ -79,7 +82,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -414,17 +417,28 @@ def simulate_workloads(
     scale: float = 1.0,
     tok: TokenizerInfo = TINY_TOKENIZER,
     bench_args: Sequence[str] = (),
+    send_times: Mapping[str, Mapping[str, Mapping[int, float]]] | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``{workload: {server: summary}}`` of the simulated runs, workloads in serve_bench's order,
-    each server's budget models carried from one workload to the next (module docstring)."""
+    each server's budget models carried from one workload to the next (module docstring).
+
+    ``send_times`` (``{workload: {server: {request index: seconds}}}``, from
+    :func:`real_send_times`): each server's requests arrive when the real client sent them to
+    that server, not on the planned schedule (a client stalled on this machine sends late and
+    in bursts)."""
     engine = profile.engine_model()
     policies = {"vllm": VLLM_POLICY, "kvbudget": policy}
     carried = {s: (LengthModel(), CostModel()) for s in SERVERS}
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name in [w for w in sb.WORKLOADS if w in names]:
-        scenario, reqs = sim_requests(plan_workload(name, seed, tok, scale, bench_args))
+        plan = plan_workload(name, seed, tok, scale, bench_args)
+        planned = sim_requests(plan)
         per: dict[str, dict[str, Any]] = {}
         for server in SERVERS:
+            sent = (send_times or {}).get(name, {}).get(server)
+            scenario, reqs = (
+                planned if not sent else sim_requests(with_send_times(plan, sent))
+            )
             lengths, cost = carried[server]
             result = simulate(
                 reqs, scenario, engine, policies[server], seed=seed, keep_requests=True,
@@ -433,10 +447,18 @@ def simulate_workloads(
             summary = summarize_sim(result.request_records)
             summary["policy"] = result.policy
             summary["engine_preemptions"] = result.preemptions
+            summary["rejections_by_reason"] = dict(result.rejections_by_reason)
             summary["prefix_hit_rate"] = round(result.prefix_hit_rate, 3)
             per[server] = summary
         out[name] = per
     return out
+
+
+def with_send_times(plan: Sequence[Planned], sent: Mapping[int, float]) -> list[Planned]:
+    """``plan`` with each request sent at ``sent[index]`` where the real client's time is known
+    (kept in arrival order, as the simulator expects)."""
+    moved = [replace(p, arrival_s=sent.get(p.index, p.arrival_s)) for p in plan]
+    return sorted(moved, key=lambda p: p.arrival_s)
 
 
 # -- the real side -------------------------------------------------------------------------------
@@ -570,6 +592,24 @@ def translation_check(
     return out
 
 
+def real_send_times(records: Mapping[str, Any]) -> dict[str, dict[str, dict[int, float]]]:
+    """``{workload: {server: {request index: seconds after the first send}}}`` from the real
+    records (serve_bench's request ids end in the request's index)."""
+    out: dict[str, dict[str, dict[int, float]]] = {}
+    for workload, per in records.items():
+        for server, recs in per.items():
+            if not recs:
+                continue
+            t0 = min(r["start"] for r in recs)
+            times: dict[int, float] = {}
+            for r in recs:
+                m = re.search(r"(\d+)$", r["request_id"])
+                if m:
+                    times[int(m.group(1))] = r["start"] - t0
+            out.setdefault(workload, {})[server] = times
+    return out
+
+
 # -- the comparison ------------------------------------------------------------------------------
 
 
@@ -673,6 +713,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-scale", type=float, default=1.0, metavar="F",
                    help="what-if, not a fit: multiply every step-time figure of the profile by "
                         "F (the same engine on a faster or busier machine; default 1)")
+    p.add_argument("--send-times", choices=("planned", "real"), default="planned",
+                   help="when the simulated requests arrive: on the planned schedule (default), "
+                        "or when the real client sent each one to each server (needs --real "
+                        "records; replays the bursts of a client stalled on a busy machine)")
     p.add_argument("--policy", default="calibrated", help="the kvbudget example's policy")
     p.add_argument("--seed", type=int, default=0, help="serve_bench's dataset seed (default 0)")
     p.add_argument("--num-prompts-scale", type=float, default=1.0)
@@ -764,9 +808,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_file = run_dir / "load.json" if run_dir is not None else None
     profile = scaled(load_profile(opts.engine_profile, run_dir), opts.step_scale)
     print(f"# engine profile: {profile.name} ({profile.source})", file=sys.stderr)
+    if opts.send_times == "real" and not records:
+        raise SystemExit("--send-times real needs the real run's records (a serve_bench --out DIR)")
     sim = simulate_workloads(
         opts.workloads, profile=profile, policy=opts.policy, seed=opts.seed,
         scale=opts.num_prompts_scale, tok=tok, bench_args=opts.bench_arg,
+        send_times=real_send_times(records) if opts.send_times == "real" else None,
     )
     result = compare(real, sim)
     plans = {
@@ -812,6 +859,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "seed": opts.seed,
             "num_prompts_scale": opts.num_prompts_scale,
             "bench_args": list(opts.bench_arg),
+            "send_times": opts.send_times,
             "slo": {"ttft_s": sb.SLO_TTFT_S, "tpot_ms": sb.SLO_TPOT_S * 1000},
             "target": {"share": TARGET_SHARE, "requests": TARGET_REQUESTS},
         },

@@ -287,3 +287,31 @@ def test_the_engine_profile_is_the_runs_own_where_the_run_kept_one(tmp_path: pat
     assert picked.name == "tiny-run" and picked.step.fixed_s == 0.001
     assert svr.load_profile("vllm-l4-qwen2.5-0.5b", tmp_path).name == "vllm-l4-qwen2.5-0.5b"
     assert svr.parse_args([]).engine_profile == svr.RUN_PROFILE
+
+
+def test_send_times_real_replays_the_clients_bursts() -> None:
+    """``--send-times real``: each server's requests arrive when the real client sent them to
+    it. A client stalled for a second sends the moderate workload's first 10 requests at once;
+    the replay has them arrive together, the rest as planned (records without an index keep
+    their plan), and the simulated run reports its turn-aways by reason."""
+    plan = svr.plan_workload("moderate", 0, TOK)
+    stall = plan[9].arrival_s
+    records = [
+        {"request_id": f"sb-kvbudget-moderate-r0-abc-{p.index}",
+         "start": 50.0 + (stall if p.index < 10 else p.arrival_s)}
+        for p in plan
+    ]
+    sent = svr.real_send_times({"moderate": {"kvbudget": records}})
+    times = sent["moderate"]["kvbudget"]
+    assert [times[i] for i in range(10)] == [0.0] * 10  # relative to the first send
+    assert times[20] == pytest.approx(plan[20].arrival_s - stall)
+    moved = svr.with_send_times(plan, {i: t + stall for i, t in times.items()})
+    assert [p.arrival_s for p in moved[:10]] == [pytest.approx(stall)] * 10
+    assert [p.index for p in moved] == sorted(p.index for p in moved)  # arrival order kept
+    sim = svr.simulate_workloads(
+        ["moderate"], profile=svr.EngineProfile.load("vllm-cpu-tiny"), scale=1.0,
+        send_times={"moderate": {"kvbudget": {i: t + stall for i, t in times.items()}}},
+    )
+    summary = sim["moderate"]["kvbudget"]
+    assert summary["sent"] == len(plan)
+    assert sum(summary["rejections_by_reason"].values()) == summary["rejected"]

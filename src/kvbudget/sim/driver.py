@@ -940,6 +940,7 @@ class _Sim:
             steps=steps,
             wall_s=wall,
             peak_resident=self.peak_resident,
+            rejections_by_reason=dict(sorted(snap.rejections_by_reason.items())),
             prefix_cached_tokens=self.prefix_cached_tokens,
             resume_cached_tokens=self.resume_cached_tokens,
             prefix_hit_rate=(

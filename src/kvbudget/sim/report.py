@@ -119,6 +119,7 @@ class PolicyResult:
     tokens (over the requests it fell short for), ``coverage``: share of requests it covered.
     ``itl_cdf``: (gap seconds, cumulative share) points; ``kv_series``: (t, reserved %, used %).
     ``peak_resident``: the most requests whose blocks the engine held at once.
+    ``rejections_by_reason``: the turned-away requests by the scheduler's reason.
     ``prefix_cached_tokens``: prompt tokens the engine found in its prefix cache at first
     admissions; ``prefix_hit_rate``: those over the prompt tokens of first admissions.
     ``resume_cached_tokens``: tokens requests admitted again after a preemption found cached.
@@ -161,6 +162,8 @@ class PolicyResult:
     steps: int
     wall_s: float
     peak_resident: int = 0
+    #: turned-away requests by the scheduler's reason ("deadline", "queue-timeout", ...)
+    rejections_by_reason: Mapping[str, int] = attrs.field(factory=dict)
     prefix_cached_tokens: int = 0
     prefix_hit_rate: float = 0.0
     resume_cached_tokens: int = 0
@@ -195,6 +198,7 @@ class PolicyResult:
             "steps",
             "wall_s",
             "peak_resident",
+            "rejections_by_reason",
             "resume_cached_tokens",
         ):
             d[k] = getattr(self, k)
