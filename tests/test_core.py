@@ -583,6 +583,9 @@ def test_overload_rejects_with_retry_after_when_the_wait_exceeds_the_deadline() 
         s.charge(f"w{k}", 4, float(k))
         s.finish(f"w{k}", "stop", float(k))
         s.confirm_release(f"w{k}", float(k) + 0.5)
+    # a slow engine: the running streams take seconds to drain, too
+    for _ in range(50):
+        s.observe_step(4, 32, 0.5, 2.9)
     # the cache is full and the queue ahead is long
     for k in range(4):
         s.arrive(f"h{k}", spec(prompt=4, max_tokens=4), 3.0)
@@ -682,6 +685,103 @@ def test_a_cold_forecast_turns_away_at_once_only_callers_forecast_at_twice_their
     s = cold()
     far = s.arrive("next", spec(prompt=4, max_tokens=28, deadline=wait / 2.5), 3.0)
     assert of(far, ev.Reject, "next")[0].reason == "deadline"
+
+
+def approx(value: float) -> Any:
+    """A time the drain forecast gives, to the cost model's fit (within 1 %)."""
+    return pytest.approx(value, rel=0.01)
+
+
+def _steady_steps(s: Scheduler, seconds: float, now: float) -> None:
+    """Teach the cost model an engine whose every decode step takes ``seconds``."""
+    for k in range(200):
+        s.observe_step(1 + k % 8, 32 * (k % 5), seconds, now)
+    assert s.step_seconds() == pytest.approx(seconds, rel=0.05)
+
+
+def test_drain_wait_hand_worked() -> None:
+    """The drain of what the engine holds: a stopped request's blocks within a step, each live
+    stream's at its expected length at the current pace, then the same releases again every
+    turnover. Here steps take 10 ms; a stopped request holds 2 blocks, ``near`` (2 tokens left)
+    and ``far`` (4 tokens left) hold 2 each."""
+    s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
+    _steady_steps(s, 0.01, 0.0)
+    for rid in ("done", "near", "far"):
+        assert of(s.arrive(rid, spec(prompt=4, max_tokens=4), 0.0), ev.Admit)
+    s.charge("done", 4, 0.0)
+    s.finish("done", "stop", 0.0)
+    s.charge("near", 2, 0.0)
+    drain = s.forecast.drain_wait
+    assert drain(1, 0.5) == approx(0.01)  # the stopped request's blocks
+    assert drain(3, 0.5) == approx(0.02)  # ... and near's, 2 tokens later
+    assert drain(5, 0.5) == approx(0.04)  # ... and far's, 4 tokens later
+    assert drain(6, 0.5) == approx(0.04)  # everything held
+    # past it, the callers admitted into those blocks hold them a turnover: the releases repeat
+    assert drain(7, 0.5) == approx(0.5 + 0.01)
+    assert drain(13, 0.5) == approx(2 * 0.5 + 0.01)
+    s.confirm_release("done", 0.1)
+    assert drain(4, 0.5) == approx(0.04)
+
+
+def test_drain_wait_counts_the_blocks_streams_grow_by_before_they_end() -> None:
+    """A stream granted less than it is expected to generate takes more blocks from what is free
+    before it returns them all: those come first out of what the queue could have had."""
+    lengths = LengthModel()
+    for _ in range(64):
+        lengths.observe(spec().calibration_key, 20)  # every answer is 20 tokens long
+    s = Scheduler(Capacity(16, 4), policy=Fixed(allowance=4, step=4), lengths=lengths)
+    _steady_steps(s, 0.01, 0.0)
+    assert of(s.arrive("a", spec(prompt=4, max_tokens=64), 0.0), ev.Admit)
+    assert s.requests["a"].blocks == 2  # prompt 4 + 4 tokens
+    assert s.expected_length(s.requests["a"]) == 20
+    # it grows to 6 blocks (prompt 4 + 20) by its end, 20 steps away: of the 6 it returns
+    # then, 4 were taken from what is free now, so a queue short of 2 blocks is served at its
+    # end and one short of 3 only a turnover later (ignoring its growth: 0.20 for up to 6)
+    assert s.forecast.drain_wait(2, 1.0) == approx(0.20)
+    assert s.forecast.drain_wait(3, 1.0) == approx(1.0 + 0.20)
+
+
+def test_a_burst_after_a_quiet_spell_queues_where_the_running_streams_drain_in_time() -> None:
+    """After a quiet spell the recent release rate is the spell's low demand, not what the engine
+    turns over: a burst behind a full cache is forecast by it to wait seconds. The running
+    streams end within tens of milliseconds, though, and the callers queued ahead are served as
+    fast: the drain of what the engine holds admits the newcomer within its bound, so it queues
+    (and is admitted in time) rather than being turned away; an engine that steps slowly still
+    turns it away."""
+
+    def burst(step_s: float) -> tuple[Scheduler, list[ev.Action]]:
+        s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
+        _steady_steps(s, step_s, 0.0)
+        for k in range(3):  # the quiet spell: 2 blocks a second
+            s.arrive(f"w{k}", spec(prompt=4, max_tokens=4), float(k))
+            s.charge(f"w{k}", 4, float(k))
+            s.finish(f"w{k}", "stop", float(k))
+            s.confirm_release(f"w{k}", float(k) + 0.5)
+        for k in range(4):  # the burst fills the cache
+            s.arrive(f"h{k}", spec(prompt=4, max_tokens=4), 3.0)
+        for k in range(6):  # and queues
+            s.arrive(f"q{k}", spec(prompt=4, max_tokens=4, deadline=10.0), 3.0)
+        return s, s.arrive("new", spec(prompt=4, max_tokens=4, deadline=1.0), 3.0)
+
+    s, out = burst(0.001)
+    assert s.forecast.release_rate(3.0) < 3.0  # the rate alone: 14 blocks take > 4 s
+    assert not of(out, ev.Reject) and s.requests["new"].state is State.QUEUED
+    now = 3.0
+    admitted_at = None
+    while admitted_at is None and now < 4.0:  # the engine runs: 4 steps per request
+        now += 0.001
+        for rid, r in list(s.requests.items()):
+            if r.state in (State.ADMITTED, State.RUNNING):
+                s.charge(rid, 1, now)
+                if r.generated >= r.hard_max:
+                    s.finish(rid, "length", now)
+            elif r.state is State.RELEASING:
+                s.confirm_release(rid, now)
+        if s.requests["new"].state is not State.QUEUED:
+            admitted_at = now
+    assert admitted_at is not None and admitted_at - 3.0 < 1.0
+    _, slow = burst(0.5)  # 4 steps of half a second per request: far past its bound
+    assert of(slow, ev.Reject, "new")[0].reason == "deadline"
 
 
 def test_a_caller_timed_out_in_the_queue_counts_its_wait_as_a_lower_bound() -> None:

@@ -202,7 +202,7 @@ def test_arrival_is_not_turned_away_where_pauses_could_serve_it(
         s.arrive(rid, spec(prompt=512, max_tokens=1000), 0.0)
     assert sum(r.state is State.ADMITTED for r in s.live.values()) == 3
     # the wait forecast says the newcomer would wait past its bound (a slow release rate)
-    monkeypatch.setattr(Forecast, "turns_away", lambda self, wait, bound: True)
+    monkeypatch.setattr(Forecast, "turns_away", lambda self, req, wait, bound: True)
     monkeypatch.setattr(Forecast, "wait_estimate", lambda self, req: (5.0, True))
     actions = s.arrive("n", spec(prompt=512, max_tokens=300), 0.02)
     rejected = [a for a in actions if isinstance(a, ev.Reject)]

@@ -213,6 +213,11 @@ class Forecast:
             and now + self.first_token_delay(req) > req.arrival + ttft
         )
 
+    def deficit(self, req: Request) -> int:
+        """Blocks that the queued ``req`` and everything queued ahead of it want beyond what
+        is free for admission now."""
+        return self._queues.blocks_ahead(req.cls) + req.want_blocks - self._s.ledger.admission_free
+
     def estimated_wait(self, req: Request) -> float:
         """Seconds until ``req`` could be admitted, from the queue ahead and the release rate."""
         return self.wait_estimate(req)[0]
@@ -222,7 +227,7 @@ class Forecast:
         yet (the wait is then ``min_retry_after_s``, a placeholder, not a forecast to learn the
         error of)."""
         s = self._s
-        deficit = self._queues.blocks_ahead(req.cls) + req.want_blocks - s.ledger.admission_free
+        deficit = self.deficit(req)
         if deficit <= 0 and (self._config.max_active is None or s.active < self._config.max_active):
             return 0.0, True
         deficit = max(deficit, 1)
@@ -230,6 +235,41 @@ class Forecast:
         if rate <= 0.0:
             return (0.0 if s.active + s.releasing == 0 else self._config.min_retry_after_s), False
         return deficit / rate, True
+
+    def drain_wait(self, deficit: int, turnover: float) -> float | None:
+        """Seconds until ``deficit`` blocks beyond what is free come back as the work in the
+        engine ends (None: nothing holds blocks to drain).
+
+        A stopped request's blocks return within a step; each live stream's at its expected
+        length (its conditional median, capped at its hard max, at the current pace), with the
+        blocks it grows by until then, which come out of what is free first. Past everything held
+        now, the cache turns over: the callers queued ahead take what is released and hold it
+        about ``turnover`` seconds (a caller's predicted service), so the same releases come
+        again that much later, cycle after cycle.
+        """
+        s = self._s
+        ledger = s.ledger
+        step = s.step_seconds()
+        releases: list[tuple[float, int]] = [
+            (step, ledger.footprint(r)) for r in s.stopping.values()
+        ]
+        for r in s.live.values():
+            final = s.expected_length(r)
+            grows = max(0, ledger.grant_blocks(r, final) - r.blocks)
+            deficit += grows
+            releases.append(((final - r.generated) * step, ledger.footprint(r) + grows))
+        held = sum(blocks for _, blocks in releases)
+        if held <= 0:
+            return None
+        cycles, rest = divmod(deficit, held)
+        if rest == 0:
+            cycles, rest = cycles - 1, held
+        releases.sort()
+        for at, blocks in releases:
+            rest -= blocks
+            if rest <= 0:
+                return cycles * max(turnover, at) + at
+        raise AssertionError("unreachable: the releases add up to what is held")  # pragma: no cover
 
     @property
     def wait_ratio_samples(self) -> int:
@@ -252,11 +292,15 @@ class Forecast:
             self._ratio_at = ordered[min(len(ordered) - 1, int(q * len(ordered)))]
         return self._ratio_at
 
-    def turns_away(self, wait: float, bound: float | None) -> bool:
+    def turns_away(self, req: Request, wait: float, bound: float | None) -> bool:
         """Is a caller forecast to wait ``wait`` seconds, who may wait ``bound``, turned away at
         arrival? Only when even at the calibrated ratio its wait exceeds the bound
-        (``turn_away_wait_quantile``)."""
-        return wait > 0.0 and bound is not None and wait * self.wait_ratio() > bound
+        (``turn_away_wait_quantile``), and the drain of what the engine holds now would not
+        admit it within the bound either (:meth:`drain_wait`)."""
+        if not (wait > 0.0 and bound is not None and wait * self.wait_ratio() > bound):
+            return False
+        drain = self.drain_wait(max(1, self.deficit(req)), self.predicted_service(req, 0.5))
+        return drain is None or drain > bound
 
     def clamp_retry(self, wait: float) -> float:
         """``wait`` as callers are told it: within ``[min_retry_after_s, max_retry_after_s]``."""

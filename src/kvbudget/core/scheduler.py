@@ -257,7 +257,7 @@ class Scheduler:
         # the service forecast of a deadline only matters to a caller that waits: one admitted
         # at once skips it (it is most of an arrival's cost), one that stays queued gets it below
         req.expiry = forecast.queue_expiry(req, service=wait > 0.0)
-        if forecast.turns_away(wait, forecast.wait_bound(req, now)) and not (
+        if forecast.turns_away(req, wait, forecast.wait_bound(req, now)) and not (
             self._served_by_pauses(req)
         ):
             return [self._reject_new(req, wait, "deadline")]
@@ -1091,37 +1091,37 @@ class Scheduler:
         return slack is not None and slack <= at
 
     def _back_in_time(self, req: Request, blocks: int) -> bool:
-        """For a caller whose first token is due: will the running streams themselves return
+        """For a caller whose first token is due: will the work in the engine itself return
         the ``blocks`` it wants beyond what is free past the headroom target, within half the
-        time it may still wait? Judged from each stream's conditional median length at the
-        current step time, not from the recent release rate, which after a quiet spell or a
-        previous wave says little about the streams running now; blocks already being released
-        count. Half: the forecast of a first token is the optimistic side of a race with its
-        objective."""
+        time it may still wait? Judged by the drain of what the engine holds
+        (:meth:`Forecast.drain_wait`: each stream at its conditional median length at the
+        current pace), not from the recent release rate, which after a quiet spell or a
+        previous wave says little about the streams running now. Half: the forecast of a first
+        token is the optimistic side of a race with its objective."""
         slack = self.queue_slack(req)
         if slack is None:
             return True
         deficit = self._deficit(blocks)
         if deficit <= 0:
             return True
-        step = self.step_seconds()
-        within = slack / 2.0
-        for r in self._stopping.values():
-            deficit -= r.blocks
-        for r in self.live.values():
-            if deficit <= 0:
-                break
-            if self.seconds_left(r, step) <= within:
-                deficit -= self.ledger.footprint(r)
-        return deficit <= 0
+        drain = self.forecast.drain_wait(deficit, self.forecast.predicted_service(req, 0.5))
+        return drain is not None and drain <= slack / 2.0
+
+    def expected_length(self, req: Request) -> int:
+        """The output length ``req`` is expected to stop at, given what it has generated: its
+        conditional median, capped at its hard max."""
+        return min(req.hard_max, self.lengths.conditional_quantile(req.key, 0.5, req.generated))
 
     def seconds_left(self, req: Request, step: float | None = None) -> float:
         """Seconds the live ``req`` is expected to hold its blocks still: the tokens to its
-        conditional median length (capped at its hard max) at ``step`` seconds each (default
-        :meth:`step_seconds`)."""
-        g = req.generated
-        left = min(req.hard_max, self.lengths.conditional_quantile(req.key, 0.5, g)) - g
+        :meth:`expected_length` at ``step`` seconds each (default :meth:`step_seconds`)."""
+        left = self.expected_length(req) - req.generated
         return left * (self.step_seconds() if step is None else step)
+
+    @property
+    def stopping(self) -> Mapping[str, Request]:
+        """Stopped requests whose release the engine has not confirmed yet (they hold blocks)."""
+        return self._stopping
 
     def step_seconds(self) -> float:
         """Seconds per token a running stream gets now: the cost model's decode step for the
