@@ -487,6 +487,54 @@ def test_greedy_text_survives_checkpoints_of_a_measured_engine(env: _Env) -> Non
     assert engine_preempted == 0
 
 
+def test_a_segment_run_to_its_end_past_the_grant_is_a_pause_not_a_finish(env: _Env) -> None:
+    """The server's event loop stalls (a busy 2-core machine deschedules it for a second)
+    right after a stream's first tokens: the pause at its boundary cannot be sent, and the
+    engine core, a process of its own, runs the segment on to its own end, ``length`` at the
+    hard max in vLLM's count. The tokens past the grant are dropped (the budget never granted
+    them), so that ``length`` is not the request's: the stream goes on by resubmission and ends
+    with exactly the bare engine's greedy tokens and text, at its hard max. (It had ended
+    ``failed``: "expected 'length' only at the hard max (150); request has 32".)"""
+    from kvbudget.core.model import ServiceClass
+    from kvbudget.core.policy import CalibratedPolicy
+
+    class SmallGrants(CalibratedPolicy):
+        def initial_allowance(self, req: Any) -> int:
+            return max(1, min(req.remaining, 32 - req.context_tokens % 32))
+
+        def extension_tokens(self, req: Any) -> int | None:
+            return None if req.boundary >= req.hard_max else min(req.hard_max - req.boundary, 32)
+
+    prompt = _random_prompts(env, 1, seed=9)[0]
+    out_len = 150
+    ref = env.run(_stream_all(env.engine.generate({"prompt_token_ids": prompt}, _sp(out_len),
+                                                  "stall-bare")))
+
+    async def main() -> tuple[tuple[list[int], str, Any], Any]:
+        classes = [ServiceClass("interactive", protected=True, preemptible=False,
+                                latency_floor_s=None)]
+        be = env.budgeted(classes=classes, policy=SmallGrants(), prefill_probes=0)
+        async with be:
+            ids: list[int] = []
+            text = ""
+            last = None
+            async for out in be.generate({"prompt_token_ids": prompt}, _sp(out_len), "stall"):
+                comp = out.outputs[0]
+                if not ids:
+                    time.sleep(1.5)  # the loop stalls: nothing reaches vLLM meanwhile
+                ids.extend(comp.token_ids)
+                text += comp.text
+                last = out
+            await _settle(be)
+            return (ids, text, last), be.snapshot()
+
+    (ids, text, last), snap = env.run(main())
+    assert snap.totals.dropped_tokens > 0, "the engine should have run past the grant"
+    assert ids == ref[0] and text == ref[1]
+    assert last.outputs[0].finish_reason == "length" and len(ids) == out_len
+    assert snap.completed == 1 and snap.totals.failed == 0
+
+
 def test_sampled_text_matches_its_tokens_through_pauses(env: _Env) -> None:
     prompts = _random_prompts(env, 10, seed=2)
     sp = _sp(PAUSE_OUT, temperature=1.0, top_p=0.95)

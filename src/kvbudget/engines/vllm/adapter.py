@@ -674,6 +674,7 @@ class _RequestEngine:
                 comp = out.outputs[0]
                 toks = comp.token_ids
                 n = len(toks)
+                dropped = False
                 if n:
                     req = self._req
                     have = seg.base + seg.consumed
@@ -685,15 +686,19 @@ class _RequestEngine:
                         _truncate(out, keep)
                         toks = comp.token_ids
                         n = keep
+                        dropped = True
                         self._pause(seg)
                     seg.consumed += n
                     self.ids.extend(toks)
+                # A segment the engine ran to its end past the grant (its pause came too late:
+                # the loop stalled, say) ended on tokens that were dropped: its "stop" or
+                # "length" is not the request's, which goes on like any paused segment.
+                ended = out.finished and not dropped and comp.finish_reason in ("stop", "length")
                 if seg.text is not None:
-                    last = out.finished and comp.finish_reason in ("stop", "length")
-                    comp.text = seg.text.delta(self.ids, final=last) if n or last else ""
+                    comp.text = seg.text.delta(self.ids, final=ended) if n or ended else ""
                 if out.finished:
                     reason = comp.finish_reason
-                    if reason == "stop" or reason == "length":
+                    if ended:
                         self.finish_reason = reason
                         self._sent(comp.text, n)
                         yield EngineStep(n, True, reason, out)
