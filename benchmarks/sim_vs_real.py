@@ -21,35 +21,37 @@ The simulated side (:func:`simulate_workloads`). The same requests: vLLM's rando
 re-drawn as ``vllm bench serve`` draws it (:func:`vllm_random_plan`: ``numpy.random.
 default_rng(seed)`` integers for the input and output lengths exactly as
 ``vllm.benchmarks.datasets.utils.get_sampling_params``; arrivals from ``numpy.random.seed(seed)``
-gamma gaps with shape ``burstiness`` and scale ``1 / (rate * burstiness)``, rescaled to end at
-``n / rate``, as ``vllm.benchmarks.serve.get_request``; ``rate inf``: all at 0); the prompt length
-is the sampled one plus the tokenizer's special tokens (the BOS the server adds) plus the shared
+gamma gaps with shape ``burstiness`` and scale ``1 / (rate * burstiness)``, rescaled to end at ``n /
+rate``, as ``vllm.benchmarks.serve.get_request``; ``rate inf``: all at 0); the prompt length is the
+sampled one plus the tokenizer's special tokens (the BOS the server adds) plus the shared
 ``--random-prefix-len``, which becomes a shared system prompt whose full blocks the simulated
-engine's prefix cache holds once. vLLM's ``prefix_repetition`` dataset (``multi-prefix``) is
-planned as :func:`vllm_prefix_repetition_plan` draws it: each request's prefix after vLLM's
-shuffle, one shared system prompt per prefix. ``--bench-arg`` is serve_bench's (the same flags
-as the run compared). ``--send-times real`` (with ``--real`` records) replaces the planned
-arrivals by the times the real client sent each request to each server: on this 2-core machine
-the client is sometimes not scheduled for 0.3-2.5 s and then sends what fell due at once, and
-those bursts are what a budget's turn-away reacts to. The abandonment workload is serve_bench's own
-:func:`serve_bench.abandon_plan` (same seed, same vocabulary), and a leaving client disconnects
-once it has received its planned number of tokens (``SimRequest.abandon_after_tokens``). Every
-request asks for exactly its output length (``max_tokens`` = length, ``ignore_eos``).
+engine's prefix cache holds once. vLLM's ``prefix_repetition`` dataset (``multi-prefix``) is planned
+as :func:`vllm_prefix_repetition_plan` draws it: each request's prefix after vLLM's shuffle, one
+shared system prompt per prefix. ``--bench-arg`` is serve_bench's (the same flags as the run
+compared). Where the real run's records are at hand (an ``--out`` directory), each server's requests
+arrive when the real client sent them to it (``--send-times``, default ``auto``; ``planned`` keeps
+the plan): on this 2-core machine the client is sometimes not scheduled for 0.3-2.5 s and then sends
+what fell due at once, and those bursts are what a budget's turn-away reacts to. The client's send
+times are the workload as it was really offered; what the servers did with it is still predicted.
+The abandonment workload is serve_bench's own :func:`serve_bench.abandon_plan` (same seed, same
+vocabulary), and a leaving client disconnects once it has received its planned number of tokens
+(``SimRequest.abandon_after_tokens``). Every request asks for exactly its output length
+(``max_tokens`` = length, ``ignore_eos``).
 
-Servers in the simulator: ``vllm`` is the ``reserve-current`` baseline (vLLM v1 FCFS, no queue
-cap, victims freed at once); ``kvbudget`` is the example's policy (``--policy``, default
-``calibrated``) with the example's service classes (``kvbudget.DEFAULT_CLASSES``: every request
-is ``interactive``: TTFT objective 2 s, admission wait at most 2 s, latency floor 200 ms) and the
-default ``SchedulerConfig``. The engine is a fitted profile (``--engine-profile``): ``run`` (the
-default) is the profile the kvbudget server fitted from its own engine steps over the real run
-(serve_bench keeps it as ``engine-profile-kvbudget.json`` in its ``--out`` directory): the same
-engine on the same machine in the same stretch of time, so the machine's speed, which varies by
-tens of percent between runs, is the real run's; without it (or with ``--real`` naming a JSON
-file or an older run) the shipped ``vllm-cpu-tiny``. A file or a shipped name picks one
-explicitly. The engine's timing is the only thing read from the run: good / late / rejected are
-predicted from it. As in the real run, one server process serves the workloads one after
-the other, so the budget's length and step-cost models are carried from one workload to the next
-in serve_bench's order.
+Servers in the simulator: ``vllm`` is the ``reserve-current`` baseline (vLLM v1 FCFS, no queue cap,
+victims freed at once); ``kvbudget`` is the example's policy (``--policy``, default ``calibrated``)
+with the example's service classes (``kvbudget.DEFAULT_CLASSES``: every request is ``interactive``:
+TTFT objective 2 s, admission wait at most 2 s, latency floor 200 ms) and the default
+``SchedulerConfig``. The engine is a fitted profile (``--engine-profile``): ``run`` (the default) is
+the profile the kvbudget server fitted from its own engine steps over the real run (serve_bench
+keeps it as ``engine-profile-kvbudget.json`` in its ``--out`` directory): the same engine on the
+same machine in the same stretch of time, so the machine's speed, which varies by tens of percent
+between runs, is the real run's; without it (or with ``--real`` naming a JSON file or an older run)
+the shipped ``vllm-cpu-tiny``. A file or a shipped name picks one explicitly. The engine's timing
+and (where the records are at hand) the client's send times are the only things read from the run:
+good / late / rejected are predicted from them. As in the real run, one server process serves the
+workloads one after the other, so the budget's length and step-cost models are carried from one
+workload to the next in serve_bench's order.
 
 Outcomes, the same rule on both sides (serve_bench's :func:`serve_bench.classify`): ``good`` =
 every requested token, TTFT <= 2 s and mean TPOT = (last token - first token) / (tokens - 1) <=
@@ -713,10 +715,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-scale", type=float, default=1.0, metavar="F",
                    help="what-if, not a fit: multiply every step-time figure of the profile by "
                         "F (the same engine on a faster or busier machine; default 1)")
-    p.add_argument("--send-times", choices=("planned", "real"), default="planned",
-                   help="when the simulated requests arrive: on the planned schedule (default), "
-                        "or when the real client sent each one to each server (needs --real "
-                        "records; replays the bursts of a client stalled on a busy machine)")
+    p.add_argument("--send-times", choices=("auto", "planned", "real"), default="auto",
+                   help="when the simulated requests arrive: when the real client sent each one "
+                        "to each server (real: needs the real run's records; it replays the "
+                        "bursts of a client stalled on a busy machine), on the planned schedule "
+                        "(planned), or real where the run kept its records and else planned "
+                        "(auto, the default)")
     p.add_argument("--policy", default="calibrated", help="the kvbudget example's policy")
     p.add_argument("--seed", type=int, default=0, help="serve_bench's dataset seed (default 0)")
     p.add_argument("--num-prompts-scale", type=float, default=1.0)
@@ -810,10 +814,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"# engine profile: {profile.name} ({profile.source})", file=sys.stderr)
     if opts.send_times == "real" and not records:
         raise SystemExit("--send-times real needs the real run's records (a serve_bench --out DIR)")
+    send_times = "planned" if opts.send_times == "planned" or not records else "real"
+    print(f"# send times: {send_times}", file=sys.stderr)
     sim = simulate_workloads(
         opts.workloads, profile=profile, policy=opts.policy, seed=opts.seed,
         scale=opts.num_prompts_scale, tok=tok, bench_args=opts.bench_arg,
-        send_times=real_send_times(records) if opts.send_times == "real" else None,
+        send_times=real_send_times(records) if send_times == "real" else None,
     )
     result = compare(real, sim)
     plans = {
@@ -859,7 +865,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "seed": opts.seed,
             "num_prompts_scale": opts.num_prompts_scale,
             "bench_args": list(opts.bench_arg),
-            "send_times": opts.send_times,
+            "send_times": send_times,
             "slo": {"ttft_s": sb.SLO_TTFT_S, "tpot_ms": sb.SLO_TPOT_S * 1000},
             "target": {"share": TARGET_SHARE, "requests": TARGET_REQUESTS},
         },
