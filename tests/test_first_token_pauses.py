@@ -148,7 +148,7 @@ def test_a_stream_gives_way_only_for_a_fresh_due_caller_and_not_when_about_to_fi
     s.arrive("head", head_spec, 0.0)
     head = s.requests["head"]
     assert old.state is State.ADMITTED
-    assert policy.first_token_pause_at(head) == pytest.approx(0.5 * 2.0)
+    assert policy.first_token_pause_at(head) == pytest.approx(0.75 * 2.0)
     s.charge("old", 1, 0.01)
     assert policy.gives_way(old, head)
     # a checkpoint waiting to resume is not a fresh caller: nothing is paused for it

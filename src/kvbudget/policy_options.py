@@ -9,6 +9,7 @@ from typing import Any, Final
 
 from kvbudget.core.policy import make_policy
 from kvbudget.core.policy.base import Policy
+from kvbudget.core.policy.calibrated import FIRST_TOKEN_PAUSE_SHARE
 from kvbudget.errors import InvalidInput
 
 __all__ = ["POLICY_DEFAULT", "add_first_token_pause_option", "server_policy", "share_or_off"]
@@ -41,7 +42,7 @@ def add_first_token_pause_option(parser: Any, flag: str = "--first-token-pause-s
         help="calibrated policy: pause running streams for a fresh interactive caller once its "
              "queue slack falls to this share of its first-token objective; off: never (for a "
              "per-token latency SLO, where a stall costs more than a late first token). "
-             "Default: the policy's (0.5)",
+             f"Default: the policy's ({FIRST_TOKEN_PAUSE_SHARE})",
     )
 
 
