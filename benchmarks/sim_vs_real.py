@@ -33,8 +33,10 @@ arrive when the real client sent them to it (``--send-times``, default ``auto``;
 the plan): on this 2-core machine the client is sometimes not scheduled for 0.3-2.5 s and then sends
 what fell due at once, and those bursts are what a budget's turn-away reacts to. The client's send
 times are the workload as it was really offered; what the servers did with it is still predicted.
-The abandonment workload is serve_bench's own :func:`serve_bench.abandon_plan` (same seed, same
-vocabulary), and a leaving client disconnects once it has received its planned number of tokens
+A run of several repeats is simulated once per repeat, with that repeat's send times, and compared
+as the medians the real side reports. The abandonment workload is serve_bench's own
+:func:`serve_bench.abandon_plan` (same seed, same vocabulary), and a leaving client disconnects
+once it has received its planned number of tokens
 (``SimRequest.abandon_after_tokens``). Every request asks for exactly its output length
 (``max_tokens`` = length, ``ignore_eos``).
 
@@ -488,23 +490,39 @@ def _median(values: Sequence[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
+def _runs(path: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """A serve_bench ``--out`` directory's record files: ``{(workload, server): [run 0, run 1,
+    ...]}``, each run's JSON as serve_bench wrote it (its ``summary`` and ``records``)."""
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = collections.defaultdict(list)
+    for workload in sb.WORKLOADS:
+        for server in SERVERS:
+            # (exact names: "kvbudget" must not pick up "kvbudget-serve"'s files)
+            pattern = re.compile(rf"^records-{re.escape(workload)}-{server}-r\d+\.json$")
+            for f in sorted(path.glob(f"records-{workload}-{server}-r*.json")):
+                if pattern.match(f.name):
+                    grouped[(workload, server)].append(json.loads(f.read_text(encoding="utf-8")))
+    return grouped
+
+
+def load_run_records(path: Path) -> dict[str, dict[str, list[list[dict[str, Any]]]]]:
+    """Every run's records of a serve_bench ``--out`` directory, ``{workload: {server:
+    [records of run 0, run 1, ...]}}`` (empty for a JSON file)."""
+    out: dict[str, dict[str, list[list[dict[str, Any]]]]] = {}
+    if path.is_dir():
+        for (workload, server), runs in _runs(path).items():
+            out.setdefault(workload, {})[server] = [r.get("records", []) for r in runs]
+    return out
+
+
 def load_real(path: Path) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, Any]]:
     """A serve_bench run: ``({workload: {server: summary}}, {workload: {server: records}})``
-    from an ``--out`` directory (several runs of a workload: the median of each count) or
-    from a file whose last JSON line is serve_bench's result (no records then)."""
+    from an ``--out`` directory (several runs of a workload: the median of each count; the
+    records of the first) or from a file whose last JSON line is serve_bench's result (no
+    records then)."""
     real: dict[str, dict[str, dict[str, Any]]] = {}
     records: dict[str, Any] = {}
     if path.is_dir():
-        grouped: dict[tuple[str, str], list[dict[str, Any]]] = collections.defaultdict(list)
-        for workload in sb.WORKLOADS:
-            for server in SERVERS:
-                # (exact names: "kvbudget" must not pick up "kvbudget-serve"'s files)
-                pattern = re.compile(rf"^records-{re.escape(workload)}-{server}-r\d+\.json$")
-                for f in sorted(path.glob(f"records-{workload}-{server}-r*.json")):
-                    if pattern.match(f.name):
-                        data = json.loads(f.read_text(encoding="utf-8"))
-                        grouped[(workload, server)].append(data)
-        for (workload, server), runs in grouped.items():
+        for (workload, server), runs in _runs(path).items():
             summaries = [_real_summary(r["summary"]) for r in runs]
             merged = dict(summaries[0])
             if len(summaries) > 1:
@@ -609,6 +627,41 @@ def real_send_times(records: Mapping[str, Any]) -> dict[str, dict[str, dict[int,
                 if m:
                     times[int(m.group(1))] = r["start"] - t0
             out.setdefault(workload, {})[server] = times
+    return out
+
+
+def run_send_times(
+    runs: Mapping[str, Mapping[str, Sequence[Sequence[Mapping[str, Any]]]]],
+) -> list[dict[str, dict[str, dict[int, float]]]]:
+    """:func:`real_send_times` of each real run (run k of every workload and server; a server
+    with fewer runs repeats its last)."""
+    count = max((len(v) for per in runs.values() for v in per.values()), default=0)
+    return [
+        real_send_times({
+            w: {srv: v[min(k, len(v) - 1)] for srv, v in per.items() if v}
+            for w, per in runs.items()
+        })
+        for k in range(count)
+    ]
+
+
+def median_of_runs(
+    sims: Sequence[Mapping[str, Mapping[str, Mapping[str, Any]]]],
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """The simulated runs of several real runs' send times as one: per workload and server the
+    median of each count (the first run's other figures), ``runs`` their number; as
+    :func:`load_real` merges the real runs."""
+    first = sims[0]
+    if len(sims) == 1:
+        return {w: {srv: dict(v) for srv, v in per.items()} for w, per in first.items()}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for workload, per in first.items():
+        for server, summary in per.items():
+            merged = dict(summary)
+            for key in COUNTS:
+                merged[key] = _median([sim[workload][server][key] for sim in sims])
+            merged["runs"] = len(sims)
+            out.setdefault(workload, {})[server] = merged
     return out
 
 
@@ -815,12 +868,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.send_times == "real" and not records:
         raise SystemExit("--send-times real needs the real run's records (a serve_bench --out DIR)")
     send_times = "planned" if opts.send_times == "planned" or not records else "real"
-    print(f"# send times: {send_times}", file=sys.stderr)
-    sim = simulate_workloads(
-        opts.workloads, profile=profile, policy=opts.policy, seed=opts.seed,
-        scale=opts.num_prompts_scale, tok=tok, bench_args=opts.bench_arg,
-        send_times=real_send_times(records) if send_times == "real" else None,
+    # each real run replayed with its own send times (records come from a run directory)
+    sent: list[Any] = (
+        run_send_times(load_run_records(run_dir))
+        if send_times == "real" and run_dir is not None
+        else [None]
     )
+    print(f"# send times: {send_times} ({len(sent)} run(s))", file=sys.stderr)
+    sim = median_of_runs([
+        simulate_workloads(
+            opts.workloads, profile=profile, policy=opts.policy, seed=opts.seed,
+            scale=opts.num_prompts_scale, tok=tok, bench_args=opts.bench_arg, send_times=times,
+        )
+        for times in sent
+    ])
     result = compare(real, sim)
     plans = {
         w: plan_workload(w, opts.seed, tok, opts.num_prompts_scale, opts.bench_arg)

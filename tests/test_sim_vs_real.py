@@ -315,3 +315,33 @@ def test_send_times_real_replays_the_clients_bursts() -> None:
     summary = sim["moderate"]["kvbudget"]
     assert summary["sent"] == len(plan)
     assert sum(summary["rejections_by_reason"].values()) == summary["rejected"]
+
+
+def test_each_repeat_is_replayed_with_its_own_send_times(tmp_path: pathlib.Path) -> None:
+    """A serve_bench run of two repeats: every repeat's records are kept, each replayed with
+    its own send times, and the simulated counts compared as medians, as the real ones are."""
+    plan = svr.plan_workload("burst", 0, TOK)
+    for k, lag in enumerate((0.0, 0.5)):
+        records = [
+            {"request_id": f"sb-kvbudget-burst-r{k}-abc-{p.index}",
+             "start": 10.0 + (lag if p.index % 2 else 0.0),
+             "prompt_len": p.prompt_tokens, "output_len": p.output_tokens}
+            for p in plan
+        ]
+        (tmp_path / f"records-burst-kvbudget-r{k}.json").write_text(json.dumps(
+            {"summary": _summary(20 + k, 10 - k), "records": records}
+        ))
+    runs = svr.load_run_records(tmp_path)
+    assert [len(r) for r in runs["burst"]["kvbudget"]] == [30, 30]
+    sent = svr.run_send_times(runs)
+    assert len(sent) == 2
+    assert set(sent[0]["burst"]["kvbudget"].values()) == {0.0}
+    assert set(sent[1]["burst"]["kvbudget"].values()) == {0.0, 0.5}
+    a = {"burst": {"kvbudget": {"good": 20, "late": 4, "rejected": 6, "failed": 0,
+                                "abandoned": 0, "ttft_p50_s": 1.0}}}
+    b = {"burst": {"kvbudget": {"good": 30, "late": 0, "rejected": 0, "failed": 0,
+                                "abandoned": 0, "ttft_p50_s": 2.0}}}
+    merged = svr.median_of_runs([a, b])["burst"]["kvbudget"]
+    assert merged["good"] == 25 and merged["late"] == 2 and merged["runs"] == 2
+    assert merged["ttft_p50_s"] == 1.0  # (the first run's other figures)
+    assert svr.median_of_runs([a]) == a
