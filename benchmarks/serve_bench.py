@@ -91,6 +91,14 @@ sides (counted as ``text_fffd_only``, not failed: the tiny model emits random by
 replacement characters a run of invalid UTF-8 gives depends on the detokenizer -- 16 for a plain
 decode vs 83 for the replay of the same ids in one measured case). Anything else fails.
 
+The client's own stalls (``client_stalls``, ``client_stall_s``, ``client_max_stall_s`` per run):
+a task in the client's event loop sleeps 10 ms at a time and counts each wake-up more than
+100 ms late. On this 2-core VM the whole machine is sometimes not scheduled for 0.3-2.5 s
+(measured by idle heartbeat processes, which stall together with the client, niced servers or
+not); a request sent or read across such a stall is timed late, and the sends that fell due
+go out at once, whatever the server did. A run with long client stalls says more about the
+machine than about the server; the counts are not corrected for them.
+
 Preemptions: ``/metrics`` is scraped before and after each workload (after the idle wait):
 ``vllm:num_preemptions_total`` (vLLM), ``kvbudget_engine_preemptions_total`` (the example, once it
 exports it; ``null`` otherwise; the budget's own ``kvbudget_preemptions_total`` is reported as
@@ -758,6 +766,54 @@ def discarded_message(rec: Record, payload: str) -> None:
                 rec.finished_before_leave = True
 
 
+#: the client's event loop is taken as stalled when a 10 ms sleep of the lag monitor wakes this
+#: much late (the loop sends, reads and timestamps nothing meanwhile)
+CLIENT_STALL_S = 0.1
+
+
+class LoopLag:
+    """How long the client's own event loop was not running during a run: a task sleeps
+    ``interval`` at a time and counts every wake-up later than :data:`CLIENT_STALL_S` as a
+    stall (on this 2-core machine the whole VM is sometimes not scheduled for 0.3-2.5 s; a
+    request sent or read across a stall is timed late whatever the server did). Started lazily
+    in the loop that sends the run's requests (:func:`stream_completion`); :meth:`take`
+    returns the figures once that loop has closed."""
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval = interval
+        self.task: asyncio.Task[None] | None = None
+        self.stalls: list[float] = []
+
+    def ensure_running(self) -> None:
+        # (each run's client loop is asyncio.run's own, which cancels the watch as it closes)
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(self.interval)
+            now = time.perf_counter()
+            late = now - last - self.interval
+            if late > CLIENT_STALL_S:
+                self.stalls.append(late)
+            last = now
+
+    def take(self) -> dict[str, Any]:
+        """The run's figures (``client_stalls``: how many, ``client_stall_s``: their sum,
+        ``client_max_stall_s``), and a fresh start for the next run."""
+        self.task = None
+        stalls, self.stalls = self.stalls, []
+        return {
+            "client_stalls": len(stalls),
+            "client_stall_s": round(sum(stalls), 2),
+            "client_max_stall_s": round(max(stalls, default=0.0), 2),
+        }
+
+
+LOOP_LAG = LoopLag()
+
+
 async def stream_completion(
     session: Any, url: str, payload: dict[str, Any], headers: dict[str, str], rec: Record
 ) -> None:
@@ -767,6 +823,7 @@ async def stream_completion(
     """
     rec.start = time.perf_counter()
     last = rec.start
+    LOOP_LAG.ensure_running()
     try:
         async with session.post(url=url, json=payload, headers=headers) as resp:
             rec.status = int(resp.status)
@@ -1197,6 +1254,8 @@ class Run:
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
+    #: :meth:`LoopLag.take` of the run: how long the client itself was not running
+    client_lag: dict[str, Any] = field(default_factory=dict)
 
 
 def run_workload(
@@ -1228,6 +1287,7 @@ def run_workload(
         except Exception as exc:
             run.error = f"{type(exc).__name__}: {exc}"
             log.write(traceback.format_exc())
+    run.client_lag = LOOP_LAG.take()
     run.wall_s = time.monotonic() - t0
     waited, busy = srv.wait_idle()
     run.idle["after_s"] = round(waited, 2)
@@ -1277,6 +1337,7 @@ def finish_runs(runs: list[Run]) -> None:
         if run.vllm_view:
             s["vllm_bench"] = run.vllm_view
         s["idle_wait"] = run.idle
+        s.update(run.client_lag)
         if run.error:
             s["error"] = run.error
         run.summary = s
@@ -1349,6 +1410,9 @@ def table_line(run: Run) -> str:
         notes.append(f"rejected_in_stream={s['rejected_in_stream']}")
     if s.get("false_rejections") is not None:
         notes.append(f"false_rej={s['false_rejections']}")
+    if s.get("client_stalls"):
+        notes.append(f"client_stalls={s['client_stalls']}/{s['client_stall_s']}s"
+                     f"(max {s['client_max_stall_s']}s)")
     notes.append(f"text_checked={s['text_checked']}")
     if s["text_fffd_only"]:
         notes.append(f"text_fffd_only={s['text_fffd_only']}")

@@ -227,3 +227,27 @@ def test_bench_args_append_to_sampled_workloads_and_split_equals() -> None:
     args = sb.parse_args(["--workload", "multi-prefix", "--bench-arg=--request-rate=20"])
     assert args.workloads == ["multi-prefix"] and args.bench_arg == ["--request-rate=20"]
     assert sb.WORKLOADS["multi-prefix"].dataset == "prefix_repetition"
+
+
+def test_loop_lag_counts_the_time_the_clients_loop_did_not_run() -> None:
+    """The client's own stalls: a loop blocked for 0.3 s (as when this 2-core VM is not
+    scheduled) is one stall of about 0.3 s; a loop that keeps running has none. The figures
+    are per run: taking them starts afresh."""
+    import asyncio
+    import time
+
+    lag = sb.LoopLag()
+
+    async def run(block: float) -> None:
+        lag.ensure_running()
+        await asyncio.sleep(0.05)
+        time.sleep(block)  # the loop runs nothing meanwhile
+        await asyncio.sleep(0.05)
+
+    asyncio.run(run(0.3))
+    got = lag.take()
+    assert got["client_stalls"] == 1
+    assert 0.25 <= got["client_max_stall_s"] <= 0.6
+    assert got["client_stall_s"] == got["client_max_stall_s"]
+    asyncio.run(run(0.0))
+    assert lag.take() == {"client_stalls": 0, "client_stall_s": 0.0, "client_max_stall_s": 0.0}
