@@ -782,7 +782,8 @@ class LoopLag:
     def __init__(self, interval: float = 0.01) -> None:
         self.interval = interval
         self.task: asyncio.Task[None] | None = None
-        self.stalls: list[float] = []
+        #: (when it began, how long), ``time.perf_counter()`` seconds, as the records' times
+        self.stalls: list[tuple[float, float]] = []
 
     def ensure_running(self) -> None:
         # (each run's client loop is asyncio.run's own, which cancels the watch as it closes)
@@ -796,19 +797,22 @@ class LoopLag:
             now = time.perf_counter()
             late = now - last - self.interval
             if late > CLIENT_STALL_S:
-                self.stalls.append(late)
+                self.stalls.append((now - late, late))
             last = now
 
-    def take(self) -> dict[str, Any]:
+    def take(self) -> tuple[dict[str, Any], list[tuple[float, float]]]:
         """The run's figures (``client_stalls``: how many, ``client_stall_s``: their sum,
-        ``client_max_stall_s``), and a fresh start for the next run."""
+        ``client_max_stall_s``) and the stalls themselves, and a fresh start for the next
+        run."""
         self.task = None
         stalls, self.stalls = self.stalls, []
-        return {
+        lengths = [d for _, d in stalls]
+        figures = {
             "client_stalls": len(stalls),
-            "client_stall_s": round(sum(stalls), 2),
-            "client_max_stall_s": round(max(stalls, default=0.0), 2),
+            "client_stall_s": round(sum(lengths), 2),
+            "client_max_stall_s": round(max(lengths, default=0.0), 2),
         }
+        return figures, stalls
 
 
 LOOP_LAG = LoopLag()
@@ -1254,8 +1258,9 @@ class Run:
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
-    #: :meth:`LoopLag.take` of the run: how long the client itself was not running
+    #: :meth:`LoopLag.take` of the run: how long the client itself was not running, and when
     client_lag: dict[str, Any] = field(default_factory=dict)
+    client_stalls: list[tuple[float, float]] = field(default_factory=list)
 
 
 def run_workload(
@@ -1287,7 +1292,7 @@ def run_workload(
         except Exception as exc:
             run.error = f"{type(exc).__name__}: {exc}"
             log.write(traceback.format_exc())
-    run.client_lag = LOOP_LAG.take()
+    run.client_lag, run.client_stalls = LOOP_LAG.take()
     run.wall_s = time.monotonic() - t0
     waited, busy = srv.wait_idle()
     run.idle["after_s"] = round(waited, 2)
@@ -1304,6 +1309,13 @@ def run_workload(
         rec.text_ok = None if rec.text_check is None else rec.text_check != "mismatch"
         rec.outcome, rec.reason = classify(rec)
     return run
+
+
+def stalls_json(run: Run) -> list[list[float]]:
+    """The run's client stalls as ``[begin, seconds]``, ``begin`` on the records' own clock
+    (their ``start``: ``time.perf_counter()``), for a replay that reads its streams as this
+    client did (``sim_vs_real.py``)."""
+    return [[round(at, 4), round(d, 4)] for at, d in run.client_stalls]
 
 
 def finish_runs(runs: list[Run]) -> None:
@@ -1581,7 +1593,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 path = out_dir / f"records-{run.workload}-{run.server}-r{run.rep}.json"
                 path.write_text(json.dumps(
                     {"summary": run.summary, "counters": run.counters,
-                     "records": records_json(run)}, indent=1), encoding="utf-8")
+                     "client_stalls": stalls_json(run), "records": records_json(run)},
+                    indent=1), encoding="utf-8")
 
     print()
     print(table_header())

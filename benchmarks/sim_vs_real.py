@@ -33,6 +33,9 @@ arrive when the real client sent them to it (``--send-times``, default ``auto``;
 the plan): on this 2-core machine the client is sometimes not scheduled for 0.3-2.5 s and then sends
 what fell due at once, and those bursts are what a budget's turn-away reacts to. The client's send
 times are the workload as it was really offered; what the servers did with it is still predicted.
+The simulated streams are also read as that client read them: serve_bench records when the
+client's own loop was stalled (``client_stalls``), and a token that comes during a stall is
+timed at its end.
 A run of several repeats is simulated once per repeat, with that repeat's send times, and compared
 as the medians the real side reports. The abandonment workload is serve_bench's own
 :func:`serve_bench.abandon_plan` (same seed, same vocabulary), and a leaving client disconnects
@@ -375,15 +378,44 @@ def sim_requests(plan: Sequence[Planned]) -> tuple[Scenario, tuple[SimRequest, .
 # -- classifying simulated requests --------------------------------------------------------------
 
 
-def classify_sim(rec: RequestRecord) -> str:
-    """serve_bench's outcome of one simulated request (module docstring)."""
+class ClientView:
+    """How a client that was itself stalled at times reads a stream: a token that came while
+    its loop did not run is read when the stall ends (``stalls``: ``(begin, seconds)`` on the
+    simulation's clock, serve_bench's ``client_stalls`` of the run replayed)."""
+
+    def __init__(self, stalls: Sequence[tuple[float, float]] = ()) -> None:
+        self.stalls = sorted((a, a + d) for a, d in stalls)
+
+    def read_at(self, t: float) -> float:
+        for begin, end in self.stalls:
+            if begin > t:
+                break
+            if t < end:
+                return end
+        return t
+
+    def timing(self, rec: RequestRecord) -> tuple[float | None, float | None]:
+        """``rec``'s TTFT and mean TPOT as this client measures them."""
+        if not self.stalls or rec.first_token_s is None or rec.last_token_s is None:
+            return rec.ttft_s, rec.tpot_s
+        first, last = self.read_at(rec.first_token_s), self.read_at(rec.last_token_s)
+        tpot = 0.0 if rec.output_tokens < 2 else (last - first) / (rec.output_tokens - 1)
+        return first - rec.arrival_s, tpot
+
+
+_NO_STALLS = ClientView()
+
+
+def classify_sim(rec: RequestRecord, client: ClientView = _NO_STALLS) -> str:
+    """serve_bench's outcome of one simulated request (module docstring), as ``client``
+    times it."""
     if rec.end == "rejected":
         return "rejected"
     if rec.end == "abandoned":
         return "abandoned"
     if rec.end != "completed" or rec.output_tokens != rec.expected_tokens:
         return "failed"
-    ttft, tpot = rec.ttft_s, rec.tpot_s
+    ttft, tpot = client.timing(rec)
     if ttft is None or tpot is None:
         return "failed"
     if ttft > sb.SLO_TTFT_S or tpot > sb.SLO_TPOT_S:
@@ -391,9 +423,12 @@ def classify_sim(rec: RequestRecord) -> str:
     return "good"
 
 
-def summarize_sim(records: Sequence[RequestRecord]) -> dict[str, Any]:
-    """Counts and figures of one simulated run, in serve_bench's terms."""
-    outcomes = collections.Counter(classify_sim(r) for r in records)
+def summarize_sim(
+    records: Sequence[RequestRecord], client: ClientView = _NO_STALLS
+) -> dict[str, Any]:
+    """Counts and figures of one simulated run, in serve_bench's terms (``client``: how the
+    client reads the streams)."""
+    outcomes = collections.Counter(classify_sim(r, client) for r in records)
     out: dict[str, Any] = {"sent": len(records)}
     for name in COUNTS:
         out[name] = outcomes.get(name, 0)
@@ -402,9 +437,9 @@ def summarize_sim(records: Sequence[RequestRecord]) -> dict[str, Any]:
     duration = (max(ends) - min(starts)) if ends and starts else 0.0
     out["duration_s"] = round(duration, 2)
     out["goodput"] = round(out["good"] / duration, 3) if duration > 0 else None
-    done = [r for r in records if classify_sim(r) in ("good", "late")]
-    ttfts = sorted(t for r in done if (t := r.ttft_s) is not None)
-    tpots = sorted(t for r in done if (t := r.tpot_s) is not None)
+    done = [client.timing(r) for r in records if classify_sim(r, client) in ("good", "late")]
+    ttfts = sorted(t for t, _ in done if t is not None)
+    tpots = sorted(t for _, t in done if t is not None)
     out["ttft_p50_s"] = sb._pct(ttfts, 50)
     out["ttft_p99_s"] = sb._pct(ttfts, 99)
     out["tpot_p50_ms"] = None if not tpots else round(1000 * (sb._pct(tpots, 50) or 0.0), 1)
@@ -421,15 +456,16 @@ def simulate_workloads(
     scale: float = 1.0,
     tok: TokenizerInfo = TINY_TOKENIZER,
     bench_args: Sequence[str] = (),
-    send_times: Mapping[str, Mapping[str, Mapping[int, float]]] | None = None,
+    replay: Replay | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``{workload: {server: summary}}`` of the simulated runs, workloads in serve_bench's order,
     each server's budget models carried from one workload to the next (module docstring).
 
-    ``send_times`` (``{workload: {server: {request index: seconds}}}``, from
-    :func:`real_send_times`): each server's requests arrive when the real client sent them to
-    that server, not on the planned schedule (a client stalled on this machine sends late and
-    in bursts)."""
+    ``replay`` (one real run's client, :func:`load_replays`): each server's requests arrive
+    when the real client sent them to that server, not on the planned schedule (a client
+    stalled on this machine sends late and in bursts), and are read as that client read them
+    (a token that came while it was stalled is read when the stall ends)."""
+    send_times = replay.send_times if replay is not None else {}
     engine = profile.engine_model()
     policies = {"vllm": VLLM_POLICY, "kvbudget": policy}
     carried = {s: (LengthModel(), CostModel()) for s in SERVERS}
@@ -439,7 +475,7 @@ def simulate_workloads(
         planned = sim_requests(plan)
         per: dict[str, dict[str, Any]] = {}
         for server in SERVERS:
-            sent = (send_times or {}).get(name, {}).get(server)
+            sent = send_times.get(name, {}).get(server)
             scenario, reqs = (
                 planned if not sent else sim_requests(with_send_times(plan, sent))
             )
@@ -448,7 +484,8 @@ def simulate_workloads(
                 reqs, scenario, engine, policies[server], seed=seed, keep_requests=True,
                 lengths=lengths, cost=cost,
             )
-            summary = summarize_sim(result.request_records)
+            stalls = replay.stalls.get(name, {}).get(server, ()) if replay is not None else ()
+            summary = summarize_sim(result.request_records, ClientView(stalls))
             summary["policy"] = result.policy
             summary["engine_preemptions"] = result.preemptions
             summary["rejections_by_reason"] = dict(result.rejections_by_reason)
@@ -504,14 +541,39 @@ def _runs(path: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
     return grouped
 
 
-def load_run_records(path: Path) -> dict[str, dict[str, list[list[dict[str, Any]]]]]:
-    """Every run's records of a serve_bench ``--out`` directory, ``{workload: {server:
-    [records of run 0, run 1, ...]}}`` (empty for a JSON file)."""
-    out: dict[str, dict[str, list[list[dict[str, Any]]]]] = {}
-    if path.is_dir():
-        for (workload, server), runs in _runs(path).items():
-            out.setdefault(workload, {})[server] = [r.get("records", []) for r in runs]
-    return out
+@dataclass(frozen=True)
+class Replay:
+    """What one real run's client did, per workload and server, on a clock that starts at its
+    first send: when it sent each request (``{request index: seconds}``) and when it was itself
+    stalled (``[(begin, seconds)]``, serve_bench's ``client_stalls``)."""
+
+    send_times: dict[str, dict[str, dict[int, float]]]
+    stalls: dict[str, dict[str, list[tuple[float, float]]]]
+
+
+def load_replays(path: Path) -> list[Replay]:
+    """One :class:`Replay` per repeat of a serve_bench ``--out`` directory (a server with fewer
+    repeats repeats its last; none for a JSON file)."""
+    runs = _runs(path) if path.is_dir() else {}
+    count = max((len(v) for v in runs.values()), default=0)
+    replays = []
+    for k in range(count):
+        sent: dict[str, dict[str, dict[int, float]]] = {}
+        stalls: dict[str, dict[str, list[tuple[float, float]]]] = {}
+        for (workload, server), reps in runs.items():
+            run = reps[min(k, len(reps) - 1)]
+            recs = run.get("records") or []
+            if not recs:
+                continue
+            t0 = min(r["start"] for r in recs)
+            sent.setdefault(workload, {})[server] = real_send_times(
+                {workload: {server: recs}}
+            )[workload][server]
+            stalls.setdefault(workload, {})[server] = [
+                (a - t0, d) for a, d in run.get("client_stalls") or ()
+            ]
+        replays.append(Replay(sent, stalls))
+    return replays
 
 
 def load_real(path: Path) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, Any]]:
@@ -628,21 +690,6 @@ def real_send_times(records: Mapping[str, Any]) -> dict[str, dict[str, dict[int,
                     times[int(m.group(1))] = r["start"] - t0
             out.setdefault(workload, {})[server] = times
     return out
-
-
-def run_send_times(
-    runs: Mapping[str, Mapping[str, Sequence[Sequence[Mapping[str, Any]]]]],
-) -> list[dict[str, dict[str, dict[int, float]]]]:
-    """:func:`real_send_times` of each real run (run k of every workload and server; a server
-    with fewer runs repeats its last)."""
-    count = max((len(v) for per in runs.values() for v in per.values()), default=0)
-    return [
-        real_send_times({
-            w: {srv: v[min(k, len(v) - 1)] for srv, v in per.items() if v}
-            for w, per in runs.items()
-        })
-        for k in range(count)
-    ]
 
 
 def median_of_runs(
@@ -868,19 +915,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.send_times == "real" and not records:
         raise SystemExit("--send-times real needs the real run's records (a serve_bench --out DIR)")
     send_times = "planned" if opts.send_times == "planned" or not records else "real"
-    # each real run replayed with its own send times (records come from a run directory)
-    sent: list[Any] = (
-        run_send_times(load_run_records(run_dir))
-        if send_times == "real" and run_dir is not None
-        else [None]
+    # each real run replayed with its own client (records come from a run directory)
+    replays: list[Replay | None] = (
+        list(load_replays(run_dir)) if send_times == "real" and run_dir is not None else [None]
     )
-    print(f"# send times: {send_times} ({len(sent)} run(s))", file=sys.stderr)
+    print(f"# send times: {send_times} ({len(replays)} run(s))", file=sys.stderr)
     sim = median_of_runs([
         simulate_workloads(
             opts.workloads, profile=profile, policy=opts.policy, seed=opts.seed,
-            scale=opts.num_prompts_scale, tok=tok, bench_args=opts.bench_arg, send_times=times,
+            scale=opts.num_prompts_scale, tok=tok, bench_args=opts.bench_arg, replay=replay,
         )
-        for times in sent
+        for replay in replays
     ])
     result = compare(real, sim)
     plans = {

@@ -308,18 +308,21 @@ def test_send_times_real_replays_the_clients_bursts() -> None:
     moved = svr.with_send_times(plan, {i: t + stall for i, t in times.items()})
     assert [p.arrival_s for p in moved[:10]] == [pytest.approx(stall)] * 10
     assert [p.index for p in moved] == sorted(p.index for p in moved)  # arrival order kept
+    replay = svr.Replay(
+        {"moderate": {"kvbudget": {i: t + stall for i, t in times.items()}}}, {}
+    )
     sim = svr.simulate_workloads(
-        ["moderate"], profile=svr.EngineProfile.load("vllm-cpu-tiny"), scale=1.0,
-        send_times={"moderate": {"kvbudget": {i: t + stall for i, t in times.items()}}},
+        ["moderate"], profile=svr.EngineProfile.load("vllm-cpu-tiny"), scale=1.0, replay=replay,
     )
     summary = sim["moderate"]["kvbudget"]
     assert summary["sent"] == len(plan)
     assert sum(summary["rejections_by_reason"].values()) == summary["rejected"]
 
 
-def test_each_repeat_is_replayed_with_its_own_send_times(tmp_path: pathlib.Path) -> None:
-    """A serve_bench run of two repeats: every repeat's records are kept, each replayed with
-    its own send times, and the simulated counts compared as medians, as the real ones are."""
+def test_each_repeat_is_replayed_with_its_own_client(tmp_path: pathlib.Path) -> None:
+    """A serve_bench run of two repeats: each repeat is replayed with its own client (its send
+    times and its stalls, on a clock from its first send), and the simulated counts compared as
+    medians, as the real ones are."""
     plan = svr.plan_workload("burst", 0, TOK)
     for k, lag in enumerate((0.0, 0.5)):
         records = [
@@ -329,14 +332,15 @@ def test_each_repeat_is_replayed_with_its_own_send_times(tmp_path: pathlib.Path)
             for p in plan
         ]
         (tmp_path / f"records-burst-kvbudget-r{k}.json").write_text(json.dumps(
-            {"summary": _summary(20 + k, 10 - k), "records": records}
+            {"summary": _summary(20 + k, 10 - k), "records": records,
+             "client_stalls": [[10.2, 1.5]] if k else []}
         ))
-    runs = svr.load_run_records(tmp_path)
-    assert [len(r) for r in runs["burst"]["kvbudget"]] == [30, 30]
-    sent = svr.run_send_times(runs)
-    assert len(sent) == 2
-    assert set(sent[0]["burst"]["kvbudget"].values()) == {0.0}
-    assert set(sent[1]["burst"]["kvbudget"].values()) == {0.0, 0.5}
+    replays = svr.load_replays(tmp_path)
+    assert len(replays) == 2
+    assert set(replays[0].send_times["burst"]["kvbudget"].values()) == {0.0}
+    assert set(replays[1].send_times["burst"]["kvbudget"].values()) == {0.0, 0.5}
+    assert replays[0].stalls["burst"]["kvbudget"] == []
+    assert replays[1].stalls["burst"]["kvbudget"] == [(pytest.approx(0.2), 1.5)]
     a = {"burst": {"kvbudget": {"good": 20, "late": 4, "rejected": 6, "failed": 0,
                                 "abandoned": 0, "ttft_p50_s": 1.0}}}
     b = {"burst": {"kvbudget": {"good": 30, "late": 0, "rejected": 0, "failed": 0,
@@ -345,3 +349,20 @@ def test_each_repeat_is_replayed_with_its_own_send_times(tmp_path: pathlib.Path)
     assert merged["good"] == 25 and merged["late"] == 2 and merged["runs"] == 2
     assert merged["ttft_p50_s"] == 1.0  # (the first run's other figures)
     assert svr.median_of_runs([a]) == a
+
+
+def test_a_stalled_client_reads_what_came_meanwhile_when_the_stall_ends() -> None:
+    """A stream served in time whose tokens came while the client was stalled is timed as that
+    client read it: a first token at 1.5 s read at the end of a 1.0-2.5 s stall is 2.5 s late;
+    tokens outside any stall are read as they come."""
+    rec = RequestRecord(
+        request_id="r", arrival_s=0.0, end="completed", prompt_tokens=8, output_tokens=31,
+        expected_tokens=31, first_token_s=1.5, last_token_s=3.0, finished_s=3.0,
+    )
+    view = svr.ClientView([(1.0, 1.5)])
+    assert view.read_at(0.5) == 0.5 and view.read_at(1.2) == 2.5 and view.read_at(2.5) == 2.5
+    ttft, tpot = view.timing(rec)
+    assert ttft == pytest.approx(2.5) and tpot == pytest.approx((3.0 - 2.5) / 30)
+    assert svr.classify_sim(rec) == "good"
+    assert svr.classify_sim(rec, view) == "late"
+    assert svr.summarize_sim([rec], view)["late"] == 1
