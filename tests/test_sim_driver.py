@@ -221,3 +221,40 @@ def test_the_cost_model_learns_the_engines_prefill_as_over_vllm() -> None:
     assert cost.current().prefill_per_token_s == pytest.approx(
         SMALL_ENGINE.step.prefill_per_token_s, rel=0.02
     )
+
+
+@pytest.mark.parametrize("speed", [0.0, 0.3, 1.0])
+def test_a_machine_stall_slows_the_steps_it_meets(speed: float) -> None:
+    """A span in which the machine ran at ``speed`` of its own: the prefill step that meets it
+    takes what the span withheld longer (all of it at 0); steps before and after are the step
+    model's. Here the first token's prefill step (fixed + 100 prompt tokens) starts at 0 and a
+    stall spans [half of it, half of it + 1 s)."""
+    trace = Workload(name="one", requests=[TraceRequest(arrival_s=0.0, prompt_tokens=100,
+                                                        output_tokens=10)])
+    sc = Scenario(interactive_share=1.0, abandon_share=0.0)
+    (req,) = apply_scenario(trace, sc)
+    step = SMALL_ENGINE.step
+    prefill = step.fixed_s + 100 * step.prefill_per_token_s
+    r = simulate([req], sc, SMALL_ENGINE, "reserve-max", keep_requests=True,
+                 stalls=[(prefill / 2, 1.0)], stall_speed=speed)
+    (rec,) = r.request_records
+    if speed >= 1.0:
+        want = prefill
+    elif speed > 0.0 and prefill / 2 <= speed * 1.0:  # done inside the stall, at its speed
+        want = prefill / 2 + (prefill / 2) / speed
+    else:  # the rest after the stall
+        want = 1.0 + prefill - speed * 1.0
+    assert rec.ttft_s == pytest.approx(want)
+    unstalled = simulate([req], sc, SMALL_ENGINE, "reserve-max", keep_requests=True)
+    decode = [
+        b - a for a, b in ((unstalled.request_records[0].first_token_s,
+                            unstalled.request_records[0].last_token_s),
+                           (rec.first_token_s, rec.last_token_s))
+    ]
+    if speed in (0.0, 1.0):
+        assert decode[1] == pytest.approx(decode[0])  # after the stall (or none): untouched
+    else:  # all of it inside the stall, at its speed
+        assert rec.last_token_s is not None and rec.last_token_s < prefill / 2 + 1.0
+        assert decode[1] == pytest.approx(decode[0] / speed)
+    with pytest.raises(InvalidInput):
+        simulate([req], sc, SMALL_ENGINE, "reserve-max", stalls=[(0.0, 1.0)], stall_speed=1.5)

@@ -111,6 +111,7 @@ from kvbudget.sim.engine_model import EngineModel
 from kvbudget.sim.prefix import PrefixCache, system_prompt_blocks, trace_prefix_blocks
 from kvbudget.sim.report import PolicyResult, RequestRecord, with_oracle_ratio
 from kvbudget.sim.scenario import Scenario, SimRequest
+from kvbudget.validate import check_float
 
 __all__ = ["SimulationError", "run_policies", "simulate"]
 
@@ -264,8 +265,13 @@ class _Sim:
         keep_requests: bool = False,
         lengths: LengthModel | None = None,
         cost: CostModel | None = None,
+        stalls: Sequence[tuple[float, float]] = (),
+        stall_speed: float = 0.0,
     ) -> None:
         self.keep_requests = keep_requests
+        #: (begin, seconds) spans, sorted, in which the machine ran at ``stall_speed``
+        self.machine_stalls = sorted((float(a), float(d)) for a, d in stalls if d > 0)
+        self.stall_speed = check_float("stall_speed", stall_speed, maximum=1.0)
         self.engine = engine
         self.scenario = scenario
         interactive, batch = scenario.service_classes()
@@ -624,6 +630,26 @@ class _Sim:
 
     # -- the loop -----------------------------------------------------------------------------
 
+    def _stalled(self, start: float, work: float) -> float:
+        """How long a step of ``work`` seconds that starts at ``start`` lasts when, during the
+        machine's stalls, it runs at ``stall_speed`` of its speed (0: not at all)."""
+        t = start
+        speed = self.stall_speed
+        for begin, length in self.machine_stalls:
+            stop = begin + length
+            if stop <= t:
+                continue
+            if t + work <= begin:
+                break
+            if begin > t:
+                work -= begin - t
+                t = begin
+            if speed > 0.0 and t + work / speed <= stop:
+                return t + work / speed - start
+            work -= (stop - t) * speed
+            t = stop
+        return t + work - start
+
     def run(self) -> PolicyResult:
         wall0 = time.perf_counter()
         sched = self.sched
@@ -636,6 +662,7 @@ class _Sim:
             st.prefill_per_token_s,
         )
         chunk = engine.prefill_chunk_tokens
+        machine_stalls = self.machine_stalls
         tick_s = engine.tick_s
         cap_blocks = engine.capacity.blocks
         bs = self.block_size
@@ -755,6 +782,8 @@ class _Sim:
             ctx = self.ctx_total
             decode_s = fixed + per_seq * nb + per_ctx * ctx if nb else 0.0
             dt = decode_s + per_pre * pre_tokens + (fixed if nb == 0 else 0.0)
+            if machine_stalls:
+                dt = self._stalled(now, dt)
             t_end = now + dt
             area_res += ledger.reserved * dt
             area_used += ledger.used * dt
@@ -984,6 +1013,8 @@ def simulate(
     keep_requests: bool = False,
     lengths: LengthModel | None = None,
     cost: CostModel | None = None,
+    stalls: Sequence[tuple[float, float]] = (),
+    stall_speed: float = 0.0,
 ) -> PolicyResult:
     """Replay ``requests`` (from :func:`~kvbudget.sim.scenario.apply_scenario`) through one policy.
 
@@ -996,8 +1027,11 @@ def simulate(
     request's own record (``PolicyResult.request_records``: arrival, end, tokens, first and last
     token times), for a caller that classifies requests by its own SLO. ``lengths``/``cost``:
     the scheduler's length and step-cost models (default: fresh ones); pass the ones of an
-    earlier run to start from what it learned (they are updated in place). Deterministic for
-    given inputs.
+    earlier run to start from what it learned (they are updated in place). ``stalls``:
+    ``(begin, seconds)`` spans on the replayed timeline in which the machine ran at
+    ``stall_speed`` of its speed (0: nothing at all; a step that meets one lasts longer, while
+    the clock, arrivals and ticks go on), as a busy 2-core VM is sometimes barely scheduled.
+    Deterministic for given inputs.
     """
     sim = _Sim(
         requests,
@@ -1011,6 +1045,8 @@ def simulate(
         keep_requests,
         lengths,
         cost,
+        stalls,
+        stall_speed,
     )
     return sim.run()
 
