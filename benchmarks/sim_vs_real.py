@@ -577,9 +577,7 @@ def load_replays(path: Path) -> list[Replay]:
             if not recs:
                 continue
             t0 = min(r["start"] for r in recs)
-            sent.setdefault(workload, {})[server] = real_send_times(
-                {workload: {server: recs}}
-            )[workload][server]
+            sent.setdefault(workload, {})[server] = send_times_of(recs)
             stalls.setdefault(workload, {})[server] = [
                 (a - t0, d) for a, d in run.get("client_stalls") or ()
             ]
@@ -685,22 +683,27 @@ def translation_check(
     return out
 
 
+def send_times_of(recs: Sequence[Mapping[str, Any]]) -> dict[int, float]:
+    """``{request index: seconds after the first send}`` of one run's records (serve_bench's
+    request ids end in the request's index)."""
+    if not recs:
+        return {}
+    t0 = min(r["start"] for r in recs)
+    times: dict[int, float] = {}
+    for r in recs:
+        m = re.search(r"(\d+)$", r["request_id"])
+        if m:
+            times[int(m.group(1))] = r["start"] - t0
+    return times
+
+
 def real_send_times(records: Mapping[str, Any]) -> dict[str, dict[str, dict[int, float]]]:
-    """``{workload: {server: {request index: seconds after the first send}}}`` from the real
-    records (serve_bench's request ids end in the request's index)."""
-    out: dict[str, dict[str, dict[int, float]]] = {}
-    for workload, per in records.items():
-        for server, recs in per.items():
-            if not recs:
-                continue
-            t0 = min(r["start"] for r in recs)
-            times: dict[int, float] = {}
-            for r in recs:
-                m = re.search(r"(\d+)$", r["request_id"])
-                if m:
-                    times[int(m.group(1))] = r["start"] - t0
-            out.setdefault(workload, {})[server] = times
-    return out
+    """:func:`send_times_of` every workload's and server's records,
+    ``{workload: {server: {request index: seconds}}}``."""
+    return {
+        workload: {server: send_times_of(recs) for server, recs in per.items() if recs}
+        for workload, per in records.items()
+    }
 
 
 def median_of_runs(
