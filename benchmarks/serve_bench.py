@@ -777,7 +777,7 @@ class LoopLag:
     stall (on this 2-core machine the whole VM is sometimes not scheduled for 0.3-2.5 s; a
     request sent or read across a stall is timed late whatever the server did). Started lazily
     in the loop that sends the run's requests (:func:`stream_completion`); :meth:`take`
-    returns the figures once that loop has closed."""
+    returns the stalls once that loop has closed."""
 
     def __init__(self, interval: float = 0.01) -> None:
         self.interval = interval
@@ -800,19 +800,22 @@ class LoopLag:
                 self.stalls.append((now - late, late))
             last = now
 
-    def take(self) -> tuple[dict[str, Any], list[tuple[float, float]]]:
-        """The run's figures (``client_stalls``: how many, ``client_stall_s``: their sum,
-        ``client_max_stall_s``) and the stalls themselves, and a fresh start for the next
-        run."""
+    def take(self) -> list[tuple[float, float]]:
+        """The run's stalls, and a fresh start for the next run."""
         self.task = None
         stalls, self.stalls = self.stalls, []
-        lengths = [d for _, d in stalls]
-        figures = {
-            "client_stalls": len(stalls),
-            "client_stall_s": round(sum(lengths), 2),
-            "client_max_stall_s": round(max(lengths, default=0.0), 2),
-        }
-        return figures, stalls
+        return stalls
+
+
+def stall_figures(stalls: Sequence[tuple[float, float]]) -> dict[str, Any]:
+    """A run's client stalls as its summary reports them (``client_stalls``: how many,
+    ``client_stall_s``: their sum, ``client_max_stall_s``)."""
+    lengths = [d for _, d in stalls]
+    return {
+        "client_stalls": len(stalls),
+        "client_stall_s": round(sum(lengths), 2),
+        "client_max_stall_s": round(max(lengths, default=0.0), 2),
+    }
 
 
 LOOP_LAG = LoopLag()
@@ -1258,8 +1261,7 @@ class Run:
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
-    #: :meth:`LoopLag.take` of the run: how long the client itself was not running, and when
-    client_lag: dict[str, Any] = field(default_factory=dict)
+    #: :meth:`LoopLag.take` of the run: when the client itself was not running, how long
     client_stalls: list[tuple[float, float]] = field(default_factory=list)
 
 
@@ -1292,7 +1294,7 @@ def run_workload(
         except Exception as exc:
             run.error = f"{type(exc).__name__}: {exc}"
             log.write(traceback.format_exc())
-    run.client_lag, run.client_stalls = LOOP_LAG.take()
+    run.client_stalls = LOOP_LAG.take()
     run.wall_s = time.monotonic() - t0
     waited, busy = srv.wait_idle()
     run.idle["after_s"] = round(waited, 2)
@@ -1349,7 +1351,7 @@ def finish_runs(runs: list[Run]) -> None:
         if run.vllm_view:
             s["vllm_bench"] = run.vllm_view
         s["idle_wait"] = run.idle
-        s.update(run.client_lag)
+        s.update(stall_figures(run.client_stalls))
         if run.error:
             s["error"] = run.error
         run.summary = s
