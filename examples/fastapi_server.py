@@ -58,7 +58,7 @@ import _common  # the examples directory is not a package
 import kvbudget
 import kvbudget.errors
 from kvbudget.errors import Forbidden, Unauthorized
-from kvbudget.guard import RequestGuard, api_key_of, error_body
+from kvbudget.guard import DEFAULT_KEEP_ALIVE_S, RequestGuard, api_key_of, error_body
 from kvbudget.observability import PrometheusExporter, snapshot_to_dict
 from kvbudget.vllm import MAX_PARALLEL_SAMPLES
 
@@ -680,12 +680,17 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = _common.make_parser("OpenAI-compatible server over kvbudget + vLLM", 8000)
     parser.add_argument("--log-level", default="warning", help="uvicorn log level")
+    parser.add_argument(
+        "--timeout-keep-alive", type=int, default=DEFAULT_KEEP_ALIVE_S, metavar="SECONDS",
+        help=f"idle keep-alive connections close after this (default {DEFAULT_KEEP_ALIVE_S}: "
+             "longer than clients pool them, so a stalled client never reuses a closed one)",
+    )
     args = parser.parse_args(argv)
     _common.configure_env()
     _common.configure_logging(args.events)
     uvicorn.run(
         create_app(args), host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=5, timeout_keep_alive=args.timeout_keep_alive,
     )
 
 

@@ -38,7 +38,8 @@ START_TIMEOUT_S = 150.0
 LONG = 200  # output tokens of a "long" request: 7 blocks with its prompt
 ATTEMPTS = 10  # tries at leaving a stream half-way before it ends by itself (a loaded machine)
 CANCEL_LEN = 640  # a request that is still running when its client goes away (21 blocks)
-HOLD_LEN = 690  # a request that holds 22 of the 23 blocks (its prompt with it) while it runs
+HOLD_PROMPT = [11, 12, 13, 14]  # a holder's prompt, as token ids: exactly 4 tokens
+HOLD_LEN = 690  # with its prompt, 22 of the 23 blocks while it runs (the most one may hold)
 
 
 def _free_port() -> int:
@@ -427,7 +428,7 @@ def test_flood_gets_429_while_admitted_streams_finish(
         try:
             stream = await client.completions.create(
                 model=servers["model"], prompt=f"flood {i}", max_tokens=LONG, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                seed=i, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
             )
             reason, usage = None, None
             async for chunk in stream:
@@ -439,21 +440,44 @@ def test_flood_gets_429_while_admitted_streams_finish(
             body = exc.body if isinstance(exc.body, dict) else {}
             return "429", (exc.response.headers.get("retry-after"), body)
 
-    async def main() -> list[tuple[str, Any]]:
+    async def main() -> tuple[list[tuple[str, Any]], int]:
+        # A seeded request is never paused (granted its hard max): a holder granted all but one
+        # block streams while the flood comes, and the flood's callers, seeded too, need 7
+        # blocks each, so none can start within its 0.1 s queue bound however fast the engine
+        # runs (unseeded, first-token pauses rotated all 24 through the block left and the
+        # headroom, their first tokens late)
         client = _client(http_url)
-        return list(await asyncio.gather(*(one(client, i) for i in range(24))))
+        holder = await client.completions.create(
+            model=servers["model"], prompt=HOLD_PROMPT, max_tokens=HOLD_LEN, stream=True, seed=7,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        held = [await anext(aiter(holder))]
+        results = list(await asyncio.gather(*(one(client, i) for i in range(24))))
+        held.extend([chunk async for chunk in holder])
+        usage = [c.usage for c in held if c.usage is not None]
+        return results, usage[-1].completion_tokens if usage else 0
 
-    results = asyncio.run(main())
+    results, held_tokens = asyncio.run(main())
+    assert held_tokens == HOLD_LEN, "the admitted holder must still be served in full"
     ok = [r for kind, r in results if kind == "ok"]
     rejected = [r for kind, r in results if kind == "429"]
     assert rejected, "a flood beyond capacity must be answered with 429"
-    assert ok, "admitted streams must still be served"
     assert all(r == ("length", LONG) for r in ok), ok  # every admitted stream finished in full
     for retry_after, body in rejected:
         assert retry_after is not None and int(retry_after) >= 1
         assert body.get("type") == "overloaded" or body.get("code") == "rate_limit_exceeded"
     snap = _wait_idle(http_url)
     assert snap["totals"]["rejected"] >= len(rejected)
+
+
+def test_a_client_stalled_past_five_seconds_reuses_its_pooled_connections(
+    http_url: str, servers: dict[str, Any]
+) -> None:
+    """A client that stalls past uvicorn's default 5 s keep-alive and then sends on its
+    pooled connections is served, not reset (``--timeout-keep-alive``, default 120 s)."""
+    body = {"model": servers["model"], "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+    statuses = vllm_support.posts_after_a_client_stall(f"{http_url}/v1/completions", body)
+    assert statuses == [200] * 4
 
 
 def test_continuation_finish_reason(http_url: str, servers: dict[str, Any]) -> None:
@@ -649,13 +673,13 @@ def test_grpc_streams_cancels_and_is_exhausted(grpc_target: str) -> None:
 
             # a flood: RESOURCE_EXHAUSTED with retry-after-ms, admitted streams finish. A seeded
             # request is never paused (granted its hard max): a holder granted all but one block
-            # of the cache streams while the flood comes, so no caller of the flood can start
+            # streams while the flood comes, so no caller of the flood can start
             # within its 0.1 s queue bound however fast the engine runs (16 callers of 7 blocks
             # each, 3 at a time, were all served on a fast machine where a loaded client's calls
             # arrived spread out); unseeded, the calibrated policy's first-token pauses could
             # serve the flood beside the holder
             holder = stub.Generate(pb.GenerateRequest(
-                prompt="hold", max_tokens=HOLD_LEN, ignore_eos=True, seed=7
+                prompt_token_ids=HOLD_PROMPT, max_tokens=HOLD_LEN, ignore_eos=True, seed=7
             ))
             held = [await holder.read()]
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+import vllm_support
 from test_examples import PROXY_VARIABLES, ServerProcess, _free_port, _model_dir
 
 pytestmark = pytest.mark.vllm
@@ -281,6 +282,16 @@ def test_metrics_carry_vllms_and_kvbudgets(server: dict[str, Any]) -> None:
     text = httpx.get(f"{server['url']}/metrics", timeout=10, trust_env=False).text
     assert "vllm:num_preemptions_total" in text
     assert "kvbudget_completed_total" in text and "kvbudget_engine_preemptions_total" in text
+
+
+def test_a_client_stalled_past_five_seconds_reuses_its_pooled_connections(
+    server: dict[str, Any],
+) -> None:
+    """A client that stalls past vLLM's 5 s keep-alive and then sends on its pooled
+    connections is served (vLLM's own server resets them: ``ServerDisconnectedError``)."""
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+    statuses = vllm_support.posts_after_a_client_stall(f"{server['url']}/v1/completions", body)
+    assert statuses == [200] * 4
 
 
 def test_kvbudget_serve_takes_the_examples_first_token_pause_option() -> None:

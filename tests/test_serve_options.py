@@ -11,7 +11,13 @@ from kvbudget.errors import InvalidInput
 if importlib.util.find_spec("fastapi") is None:  # pragma: no cover
     pytest.skip("fastapi is not installed", allow_module_level=True)
 
-from kvbudget.serve import RequestOptions, options_from_headers, retry_after_header
+from kvbudget.guard import DEFAULT_KEEP_ALIVE_S
+from kvbudget.serve import (
+    RequestOptions,
+    keep_alive_seconds,
+    options_from_headers,
+    retry_after_header,
+)
 
 
 def _h(**kv: str) -> list[tuple[bytes, bytes]]:
@@ -53,3 +59,18 @@ def test_bad_values_are_invalid_input(headers: list[tuple[bytes, bytes]]) -> Non
 def test_retry_after_is_whole_seconds_rounded_up() -> None:
     assert retry_after_header(0.2) == {"Retry-After": "1", "retry-after-ms": "200"}
     assert retry_after_header(2.01)["Retry-After"] == "3"
+
+
+def test_keep_alive_option_then_vllms_variable_then_the_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import argparse
+
+    monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
+    args = argparse.Namespace(kvbudget_timeout_keep_alive=None)
+    assert keep_alive_seconds(args) == DEFAULT_KEEP_ALIVE_S == 120
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "30")
+    assert keep_alive_seconds(args) == 30
+    assert keep_alive_seconds(argparse.Namespace(kvbudget_timeout_keep_alive=7)) == 7
+    with pytest.raises(InvalidInput):
+        keep_alive_seconds(argparse.Namespace(kvbudget_timeout_keep_alive=0))

@@ -33,6 +33,7 @@ import fcntl
 import functools
 import os
 import pathlib
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -195,3 +196,27 @@ def engine_in_own_loop(engine_args: Any) -> Iterator[tuple[asyncio.AbstractEvent
         engine.shutdown()
         loop.run_until_complete(asyncio.sleep(0))
         loop.close()
+
+
+def posts_after_a_client_stall(url: str, body: dict[str, Any], n: int = 4) -> list[int]:
+    """The statuses of ``n`` POSTs to ``url`` sent the moment the client's event loop wakes
+    from a 6 s stall, on connections it pooled before it (aiohttp, kept 60 s as vLLM's
+    benchmark client keeps them). A server that closes idle connections sooner (uvicorn's
+    default 5 s) has closed them meanwhile: each POST then fails with an ``aiohttp`` error
+    (connection reset / server disconnected), which this raises."""
+    import aiohttp
+
+    async def main() -> list[int]:
+        connector = aiohttp.TCPConnector(keepalive_timeout=60)
+        async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
+
+            async def post() -> int:
+                async with session.post(url, json=body) as resp:
+                    await resp.read()
+                    return resp.status
+
+            await asyncio.gather(*(post() for _ in range(n)))  # n connections in the pool
+            time.sleep(6.0)  # the client stalls (its loop blocked), past a 5 s keep-alive
+            return list(await asyncio.gather(*(post() for _ in range(n))))
+
+    return asyncio.run(main())

@@ -31,6 +31,7 @@ import contextlib
 import contextvars
 import json
 import math
+import os
 import pathlib
 import sys
 from collections.abc import AsyncGenerator, Iterable, Mapping
@@ -50,6 +51,7 @@ from kvbudget.errors import (
     UnknownName,
 )
 from kvbudget.guard import (
+    DEFAULT_KEEP_ALIVE_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_HEADER_BYTES,
     RequestGuard,
@@ -59,6 +61,7 @@ from kvbudget.guard import (
 )
 from kvbudget.names import DEFAULT_MAX_TASKS, DEFAULT_MAX_TENANTS, NameLimits
 from kvbudget.policy_options import POLICY_DEFAULT, add_first_token_pause_option, server_policy
+from kvbudget.validate import check_int
 from kvbudget.vllm import MAX_PARALLEL_SAMPLES, BudgetedEngine
 
 #: request headers (case-insensitive) -> the budget option they set
@@ -459,7 +462,24 @@ def make_parser() -> Any:
         "--kvbudget-max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES, metavar="N",
         help=f"larger request headers get 413 (default {DEFAULT_MAX_HEADER_BYTES})",
     )
+    group.add_argument(
+        "--kvbudget-timeout-keep-alive", type=int, default=None, metavar="SECONDS",
+        help=f"idle keep-alive connections close after this (default {DEFAULT_KEEP_ALIVE_S}, "
+             "or VLLM_HTTP_TIMEOUT_KEEP_ALIVE when set: longer than clients pool them, so a "
+             "stalled client never reuses a closed one; vLLM's own default is 5)",
+    )
     return parser
+
+
+def keep_alive_seconds(args: argparse.Namespace) -> int:
+    """The idle keep-alive timeout ``kvbudget serve`` gives uvicorn: the option, else
+    ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` when the environment sets it, else
+    :data:`~kvbudget.guard.DEFAULT_KEEP_ALIVE_S`."""
+    chosen = getattr(args, "kvbudget_timeout_keep_alive", None)
+    if chosen is None:
+        env = os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE")
+        chosen = int(env) if env else DEFAULT_KEEP_ALIVE_S
+    return check_int("--kvbudget-timeout-keep-alive", chosen, minimum=1)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -485,6 +505,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_tasks=getattr(args, "kvbudget_max_tasks", DEFAULT_MAX_TASKS),
         known_tenants=keys.tenants if keys is not None else (),
     )
+    keep_alive = keep_alive_seconds(args)  # (a bad value fails before the engine starts)
     listen_address, sock = setup_server(args, reuse_port=False)
     engine_args = AsyncEngineArgs.from_cli_args(args)
     names = getattr(args, "served_model_name", None)
@@ -521,6 +542,7 @@ async def serve(args: argparse.Namespace) -> None:
                     port=args.port,
                     log_level=args.uvicorn_log_level,
                     access_log=not args.disable_uvicorn_access_log,
+                    timeout_keep_alive=keep_alive,
                 )
                 await shutdown
             finally:
