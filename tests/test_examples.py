@@ -417,55 +417,106 @@ def test_client_that_disconnects_returns_its_kv(http_url: str, servers: dict[str
     )
 
 
+async def _raw_send(
+    url: str, path: str, body: dict[str, Any]
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Open a connection and write one POST on it (``Connection: close``)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    data = json.dumps(body).encode()
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data
+    )
+    await writer.drain()
+    return reader, writer
+
+
+async def _raw_response(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, start: bytes = b""
+) -> tuple[int, dict[str, str], str]:
+    """Read a response to EOF (``start``: its bytes read already): status, headers, body."""
+    raw = start + await reader.read()
+    writer.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {
+        k.lower(): v for k, v in (line.split(": ", 1) for line in lines[1:] if ": " in line)
+    }
+    if headers.get("transfer-encoding") == "chunked":
+        body, rest = b"", payload
+        while rest:
+            size_line, _, rest = rest.partition(b"\r\n")
+            size = int(size_line, 16)
+            if size == 0:
+                break
+            body, rest = body + rest[:size], rest[size + 2:]
+        payload = body
+    return int(lines[0].split()[1]), headers, payload.decode()
+
+
+async def _raw_posts(
+    url: str, path: str, bodies: list[dict[str, Any]]
+) -> list[tuple[int, dict[str, str], str]]:
+    """POST every body at once, each on its own connection (all sent, then all read). No
+    client library between the test and the socket: through one, a flood of Python clients
+    reached the server one request at a time (each after the one before had finished), from
+    24 threads as from 24 tasks, where 12 curl processes arrive together."""
+    conns = await asyncio.gather(*(_raw_send(url, path, body) for body in bodies))
+    return list(await asyncio.gather(*(_raw_response(r, w) for r, w in conns)))
+
+
+def _sse_finish(text: str) -> tuple[str | None, int | None]:
+    """The finish reason and completion tokens an OpenAI completions SSE stream ends with."""
+    reason, tokens = None, None
+    for line in text.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[len("data: "):])
+        for choice in event.get("choices") or ():
+            reason = choice.get("finish_reason") or reason
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+    return reason, tokens
+
+
 def test_flood_gets_429_while_admitted_streams_finish(
     http_url: str, servers: dict[str, Any]
 ) -> None:
-    import openai
-
     _wait_idle(http_url)
 
-    async def one(client: Any, i: int) -> tuple[str, Any]:
-        try:
-            stream = await client.completions.create(
-                model=servers["model"], prompt=f"flood {i}", max_tokens=LONG, stream=True,
-                seed=i, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-            )
-            reason, usage = None, None
-            async for chunk in stream:
-                usage = chunk.usage or usage
-                for choice in chunk.choices:
-                    reason = choice.finish_reason or reason
-            return "ok", (reason, usage.completion_tokens if usage else None)
-        except openai.RateLimitError as exc:
-            body = exc.body if isinstance(exc.body, dict) else {}
-            return "429", (exc.response.headers.get("retry-after"), body)
+    def body(prompt: Any, max_tokens: int, seed: int) -> dict[str, Any]:
+        return {"model": servers["model"], "prompt": prompt, "max_tokens": max_tokens,
+                "seed": seed, "stream": True, "stream_options": {"include_usage": True},
+                "ignore_eos": True}
 
-    async def main() -> tuple[list[tuple[str, Any]], int]:
-        # A seeded request is never paused (granted its hard max): a holder granted all but one
-        # block streams while the flood comes, and the flood's callers, seeded too, need 7
-        # blocks each, so none can start within its 0.1 s queue bound however fast the engine
-        # runs (unseeded, first-token pauses rotated all 24 through the block left and the
-        # headroom, their first tokens late)
-        client = _client(http_url)
-        holder = await client.completions.create(
-            model=servers["model"], prompt=HOLD_PROMPT, max_tokens=HOLD_LEN, stream=True, seed=7,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    # A seeded request is never paused (granted its hard max): a holder granted all but one
+    # block streams while the flood comes, and the flood's callers, seeded too, need 7 blocks
+    # each, so none can start within its 0.1 s queue bound however fast the engine runs
+    # (unseeded, first-token pauses rotated all 24 through the block left and the headroom,
+    # their first tokens late)
+    async def main() -> tuple[tuple[int, dict[str, str], str], list[Any]]:
+        reader, writer = await _raw_send(
+            http_url, "/v1/completions", body(HOLD_PROMPT, HOLD_LEN, 7)
         )
-        held = [await anext(aiter(holder))]
-        results = list(await asyncio.gather(*(one(client, i) for i in range(24))))
-        held.extend([chunk async for chunk in holder])
-        usage = [c.usage for c in held if c.usage is not None]
-        return results, usage[-1].completion_tokens if usage else 0
+        first = await reader.readuntil(b"data: ")  # its first token: the holder holds its blocks
+        flood = await _raw_posts(
+            http_url, "/v1/completions", [body(f"flood {i}", LONG, i) for i in range(24)]
+        )
+        return await _raw_response(reader, writer, first), flood
 
-    results, held_tokens = asyncio.run(main())
-    assert held_tokens == HOLD_LEN, "the admitted holder must still be served in full"
-    ok = [r for kind, r in results if kind == "ok"]
-    rejected = [r for kind, r in results if kind == "429"]
+    (status, _, text), results = asyncio.run(main())
+    assert status == 200 and _sse_finish(text) == ("length", HOLD_LEN), "the holder, in full"
+    ok = [_sse_finish(text) for status, _, text in results if status == 200]
+    rejected = [(headers, json.loads(text)) for status, headers, text in results if status == 429]
+    assert len(ok) + len(rejected) == len(results), [r[0] for r in results]
     assert rejected, "a flood beyond capacity must be answered with 429"
     assert all(r == ("length", LONG) for r in ok), ok  # every admitted stream finished in full
-    for retry_after, body in rejected:
-        assert retry_after is not None and int(retry_after) >= 1
-        assert body.get("type") == "overloaded" or body.get("code") == "rate_limit_exceeded"
+    for headers, error in rejected:
+        assert int(headers["retry-after"]) >= 1
+        assert error["error"].get("type") == "overloaded" or error["error"].get("code") == (
+            "rate_limit_exceeded"
+        )
     snap = _wait_idle(http_url)
     assert snap["totals"]["rejected"] >= len(rejected)
 
