@@ -60,6 +60,7 @@ import kvbudget.errors
 from kvbudget.errors import Forbidden, Unauthorized
 from kvbudget.guard import DEFAULT_KEEP_ALIVE_S, RequestGuard, api_key_of, error_body
 from kvbudget.observability import PrometheusExporter, snapshot_to_dict
+from kvbudget.validate import check_int
 from kvbudget.vllm import MAX_PARALLEL_SAMPLES
 
 log = logging.getLogger("kvbudget.examples.fastapi")
@@ -686,6 +687,7 @@ def main(argv: list[str] | None = None) -> None:
              "longer than clients pool them, so a stalled client never reuses a closed one)",
     )
     args = parser.parse_args(argv)
+    check_int("--timeout-keep-alive", args.timeout_keep_alive, minimum=1)
     _common.configure_env()
     _common.configure_logging(args.events)
     uvicorn.run(

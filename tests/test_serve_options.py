@@ -74,3 +74,7 @@ def test_keep_alive_option_then_vllms_variable_then_the_default(
     assert keep_alive_seconds(argparse.Namespace(kvbudget_timeout_keep_alive=7)) == 7
     with pytest.raises(InvalidInput):
         keep_alive_seconds(argparse.Namespace(kvbudget_timeout_keep_alive=0))
+    for bad in ("soon", "0", "-5"):
+        monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", bad)
+        with pytest.raises(InvalidInput, match="VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
+            keep_alive_seconds(args)

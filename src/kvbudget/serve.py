@@ -476,10 +476,18 @@ def keep_alive_seconds(args: argparse.Namespace) -> int:
     ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` when the environment sets it, else
     :data:`~kvbudget.guard.DEFAULT_KEEP_ALIVE_S`."""
     chosen = getattr(args, "kvbudget_timeout_keep_alive", None)
-    if chosen is None:
-        env = os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE")
-        chosen = int(env) if env else DEFAULT_KEEP_ALIVE_S
-    return check_int("--kvbudget-timeout-keep-alive", chosen, minimum=1)
+    if chosen is not None:
+        return check_int("--kvbudget-timeout-keep-alive", chosen, minimum=1)
+    env = os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE")
+    if not env:
+        return DEFAULT_KEEP_ALIVE_S
+    try:
+        seconds = int(env)
+    except ValueError:
+        seconds = -1
+    if seconds < 1:
+        raise InvalidInput("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", env, "a whole number of seconds >= 1")
+    return seconds
 
 
 async def serve(args: argparse.Namespace) -> None:
