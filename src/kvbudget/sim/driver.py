@@ -271,6 +271,8 @@ class _Sim:
         self.keep_requests = keep_requests
         #: (begin, seconds) spans, sorted, in which the machine ran at ``stall_speed``
         self.machine_stalls = sorted((float(a), float(d)) for a, d in stalls if d > 0)
+        #: the first of them not over at the last step's start (steps start in time order)
+        self._stall_at = 0
         self.stall_speed = check_float("stall_speed", stall_speed, maximum=1.0)
         self.engine = engine
         self.scenario = scenario
@@ -635,7 +637,13 @@ class _Sim:
         machine's stalls, it runs at ``stall_speed`` of its speed (0: not at all)."""
         t = start
         speed = self.stall_speed
-        for begin, length in self.machine_stalls:
+        stalls = self.machine_stalls
+        at = self._stall_at
+        while at < len(stalls) and sum(stalls[at]) <= start:
+            at += 1  # over before this step: over before every later one
+        self._stall_at = at
+        for i in range(at, len(stalls)):
+            begin, length = stalls[i]
             stop = begin + length
             if stop <= t:
                 continue
