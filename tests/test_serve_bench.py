@@ -258,3 +258,21 @@ def test_loop_lag_counts_the_time_the_clients_loop_did_not_run() -> None:
     assert sb.stall_figures([]) == {
         "client_stalls": 0, "client_stall_s": 0.0, "client_max_stall_s": 0.0
     }
+
+
+def test_set_autogroup_nice_nices_the_whole_session(tmp_path: pathlib.Path) -> None:
+    """The server's session gets the niceness (autogroups share the CPU between sessions first,
+    so the process's own niceness does not protect the load generator)."""
+    import subprocess
+
+    if not pathlib.Path("/proc/self/autogroup").exists():
+        pytest.skip("this kernel has no autogroup scheduling")
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        assert sb.set_autogroup_nice(proc.pid, 7)
+        assert pathlib.Path(f"/proc/{proc.pid}/autogroup").read_text().split()[-1] == "7"
+        assert not sb.set_autogroup_nice(proc.pid, 99)  # the kernel refuses: not a niceness
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not sb.set_autogroup_nice(proc.pid, 7)  # gone
