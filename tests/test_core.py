@@ -600,9 +600,10 @@ def test_overload_rejects_with_retry_after_when_the_wait_exceeds_the_deadline() 
     assert not of(s.arrive("patient", spec(prompt=4, max_tokens=4, deadline=500.0), 3.0), ev.Reject)
 
 
-def _pessimistic_waits(s: Scheduler, rounds: int) -> float:
+def _pessimistic_waits(s: Scheduler, rounds: int, spacing: float | None = None) -> float:
     """``rounds`` callers each queued behind a full cache with a forecast wait, then admitted at
-    once by a release that comes long before the forecast said; returns the last forecast."""
+    once by a release that comes long before the forecast said; returns the last forecast.
+    ``spacing``: seconds from one round to the next (None: each round right after the last)."""
     t = 10.0
     forecast = 0.0
     for k in range(rounds):
@@ -617,7 +618,7 @@ def _pessimistic_waits(s: Scheduler, rounds: int) -> float:
         s.charge(f"next{k}", 28, t + 0.1 * forecast)
         s.finish(f"next{k}", "stop", t + 0.1 * forecast)
         s.confirm_release(f"next{k}", t + 0.1 * forecast)
-        t += 0.1 * forecast + 0.01
+        t += 0.1 * forecast + 0.01 if spacing is None else spacing
     return forecast
 
 
@@ -644,13 +645,15 @@ def test_turn_away_at_arrival_learns_a_pessimistic_wait_forecast(quantile: float
     # nothing learned yet: a forecast with no evidence of its error is trusted at a margin
     expected = 1.0 if quantile is None else UNCALIBRATED_WAIT_RATIO
     assert s.snapshot().wait_forecast_ratio == expected
-    _pessimistic_waits(s, MIN_WAIT_RATIOS)
-    snap = s.snapshot()
-    assert snap.wait_forecast_samples == MIN_WAIT_RATIOS
+    # (rounds a second apart, so that the forecasts settle, and enough of them that the band
+    # of forecast sizes they settle in holds enough ratios)
+    _pessimistic_waits(s, MIN_WAIT_RATIOS + 8, spacing=1.0)
     t = s.now + 0.01
     s.arrive("hog", spec(prompt=4, max_tokens=28), t)
     s.arrive("ahead", spec(prompt=4, max_tokens=28), t)
     wait = s.requests["ahead"].wait_forecast
+    snap = s.snapshot()
+    assert snap.wait_forecast_samples >= MIN_WAIT_RATIOS
     out = s.arrive("edge", spec(prompt=4, max_tokens=28, deadline=wait * 1.5), t)
     if quantile is None:
         assert snap.wait_forecast_ratio == 1.0
@@ -663,9 +666,49 @@ def test_turn_away_at_arrival_learns_a_pessimistic_wait_forecast(quantile: float
         assert of(far, ev.Reject, "far")[0].reason == "deadline"
 
 
-def test_a_cold_forecast_turns_away_at_once_only_callers_forecast_at_twice_their_bound() -> None:
+def test_a_forecast_is_judged_by_the_ratios_of_forecasts_of_its_size() -> None:
+    """How a wait forecast errs depends on the regime it is made in: short forecasts that ran
+    short (real waits twice as long) do not make a long forecast that ran long (real waits a
+    tenth) turn callers away, nor the other way round. A band with too few ratios reads its
+    neighbours; with too few there too, the forecast is trusted at the uncalibrated margin."""
+    from kvbudget.core.forecast import (
+        MIN_WAIT_RATIOS,
+        UNCALIBRATED_WAIT_RATIO,
+        wait_ratio_band,
+    )
+
+    s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
+    f = s.forecast
+    for _ in range(MIN_WAIT_RATIOS):
+        f.note_waited(0.3, 0.6)  # short forecasts, real waits twice as long
+        f.note_waited(5.0, 0.5)  # long forecasts, real waits a tenth
+    assert f.wait_ratio(0.3) == pytest.approx(2.0)
+    assert s.snapshot().wait_forecast_ratio == pytest.approx(2.0)
+    assert f.wait_ratio(5.0) == pytest.approx(0.1)
+    snap = s.snapshot()  # the snapshot shows the ratio of the forecast judged last
+    assert snap.wait_forecast_ratio == pytest.approx(0.1)
+    assert snap.wait_forecast_samples == MIN_WAIT_RATIOS
+    assert wait_ratio_band(2.5) + 1 == wait_ratio_band(5.0)
+    assert f.wait_ratio(2.5) == pytest.approx(0.1)  # its own band is empty: the neighbour's
+    assert f.wait_ratio(40.0) == UNCALIBRATED_WAIT_RATIO  # nothing near it
+    assert s.snapshot().wait_forecast_samples == 0
+    # a caller forecast at 5 s with a bound of 1 s queues (0.5 s at the ratio), and drains
+    assert f.turns_away(s.requests.get("x") or _queued_probe(s), 5.0, 1.0) is False
+    # one at 0.3 s with a bound of 0.5 s is turned away (0.6 s at the ratio, nothing to drain)
+    assert f.turns_away(_queued_probe(s), 0.3, 0.5) is True
+
+
+def _queued_probe(s: Scheduler) -> Any:
+    """A request object as the forecast judges one at arrival (not queued, nothing held)."""
+    from kvbudget.core.lifecycle import Request
+
+    cls = s.classes["interactive"]
+    return Request("probe", spec(prompt=4, max_tokens=4, cls="interactive"), cls, s.now, None)
+
+
+def test_a_cold_forecast_turns_away_at_once_only_callers_forecast_at_4x_their_bound() -> None:
     """With no evidence yet of how the wait forecast errs, a newcomer is turned away at arrival
-    only if it is forecast to wait more than twice its bound; one forecast at 1.5 times its
+    only if it is forecast to wait more than four times its bound; one forecast at 3 times its
     bound queues (its queue bound still times it out)."""
 
     def cold() -> Scheduler:  # a full cache, one caller queued, one release rate seen
@@ -679,11 +722,13 @@ def test_a_cold_forecast_turns_away_at_once_only_callers_forecast_at_twice_their
     probe.arrive("next", spec(prompt=4, max_tokens=28, deadline=1e6), 3.0)
     wait = probe.requests["next"].wait_forecast  # what the next caller is forecast to wait
     assert wait > 0.0 and probe.snapshot().wait_forecast_samples == 0
+    # a deadline bounds the wait to it less the predicted service (deadline_service_quantile)
+    service = probe.forecast.predicted_service(probe.requests["next"], 0.5)
     s = cold()
-    edge = s.arrive("next", spec(prompt=4, max_tokens=28, deadline=wait / 1.5), 3.0)
+    edge = s.arrive("next", spec(prompt=4, max_tokens=28, deadline=wait / 3 + service), 3.0)
     assert not of(edge, ev.Reject) and s.requests["next"].state is State.QUEUED
     s = cold()
-    far = s.arrive("next", spec(prompt=4, max_tokens=28, deadline=wait / 2.5), 3.0)
+    far = s.arrive("next", spec(prompt=4, max_tokens=28, deadline=wait / 5 + service), 3.0)
     assert of(far, ev.Reject, "next")[0].reason == "deadline"
 
 

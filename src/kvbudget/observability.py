@@ -454,12 +454,13 @@ GAUGES: Final[Mapping[str, tuple[str, str]]] = {
     ),
     "wait_forecast_ratio": (
         "wait_forecast_ratio",
-        "What a forecast wait for admission is scaled by before a caller is turned away on it "
-        "(a low quantile of recent real / forecast waits; 0.5 until calibrated, 1 when off).",
+        "What the forecast wait for admission judged last was scaled by before a caller is "
+        "turned away on it (a low quantile of recent real / forecast waits of forecasts of "
+        "its size; 0.25 until calibrated, 1 when off).",
     ),
     "wait_forecast_samples": (
         "wait_forecast_samples",
-        "Real / forecast wait ratios the turn-away at arrival reads.",
+        "Real / forecast wait ratios the turn-away at arrival read for that forecast.",
     ),
 }
 

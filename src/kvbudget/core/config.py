@@ -53,9 +53,11 @@ class SchedulerConfig:
     turned away at its queue bound counts with the wait it had, a lower bound), so a forecast
     that runs pessimistic on the live workload stops turning away callers it could serve. Until
     ``MIN_WAIT_RATIOS`` ratios were seen, a forecast with no evidence of its error is trusted only
-    at a margin: it is halved (``UNCALIBRATED_WAIT_RATIO``; a cold server turns away at once only
-    callers forecast to wait twice their bound, the rest queue and are timed out at their bound
-    if they must). None: always the forecast as it is.
+    at a margin: it is quartered (``UNCALIBRATED_WAIT_RATIO``; a cold server turns away at once
+    only callers forecast to wait four times their bound, the rest queue and are timed out at
+    their bound if they must). The ratios are read by the size of the forecast (bands of a
+    factor of 2, ``WAIT_RATIO_BAND_S``): a regime the forecast has not been seen in is a cold
+    one. None: always the forecast as it is.
     ``arrival_rate_window_s``: time constant of the estimate of the prompt tokens per second
     that callers under a first-token objective bring (:meth:`Scheduler.first_token_prefill_rate`),
     which a policy may keep room for in the engine's prefill queue.

@@ -28,8 +28,24 @@ LATE_SHARE_ON = 0.05
 LATE_ALPHA = 0.01
 #: ratios of real to forecast waits needed before the turn-away at arrival reads them
 MIN_WAIT_RATIOS = 16
-#: what a forecast wait is scaled by before that (SchedulerConfig.turn_away_wait_quantile)
-UNCALIBRATED_WAIT_RATIO = 0.5
+#: what a forecast wait is scaled by before that (SchedulerConfig.turn_away_wait_quantile):
+#: over vLLM at 40 req/s the forecasts of a regime not seen before were 4-5x long (the release
+#: rate lags a surge), and 0.5 turned away 20-35 callers of 160 that 0.25 served in time
+UNCALIBRATED_WAIT_RATIO = 0.25
+#: the ratios are kept by the size of the forecast they judge, in bands of a factor of 2 from
+#: this many seconds (the first band holds everything shorter, the last everything longer):
+#: how a forecast errs depends on the regime it is made in (measured over vLLM: forecasts of
+#: 0.5 s in a shared-prefix run were 1.8x short, forecasts of 5 s at 40 req/s 5x long), and a
+#: forecast is judged by the ratios of forecasts of its own size
+WAIT_RATIO_BAND_S = 0.25
+WAIT_RATIO_BANDS = 8
+
+
+def wait_ratio_band(forecast: float) -> int:
+    """The band (0 .. ``WAIT_RATIO_BANDS`` - 1) of a forecast wait of ``forecast`` seconds."""
+    if forecast < 2.0 * WAIT_RATIO_BAND_S:
+        return 0
+    return min(WAIT_RATIO_BANDS - 1, int(math.log2(forecast / WAIT_RATIO_BAND_S)))
 
 
 class DecayingRate:
@@ -74,6 +90,7 @@ class Forecast:
         "_ft_prompts",
         "_queues",
         "_ratio_at",
+        "_read",
         "_releases",
         "_s",
         "_wait_ratios",
@@ -89,10 +106,16 @@ class Forecast:
         self._ft_prompts = DecayingRate(config.arrival_rate_window_s, warm_up=False)
         #: exponential average of how many recent first tokens missed their objective
         self.late_first_token_share = 0.0
-        # real / forecast waits of recent queued callers, and the quantile read off them (None:
-        # to be recomputed; a sort of at most ``wait_ratio_window`` floats, at arrivals only)
-        self._wait_ratios: deque[float] = deque(maxlen=config.wait_ratio_window)
-        self._ratio_at: float | None = None
+        # real / forecast waits of recent queued callers, by the band of their forecast
+        # (WAIT_RATIO_BAND_S), and the ratio and sample count read for each band (dropped when
+        # a ratio comes in that it reads: a sort of at most 3 x ``wait_ratio_window`` floats, at
+        # arrivals only)
+        self._wait_ratios: list[deque[float]] = [
+            deque(maxlen=config.wait_ratio_window) for _ in range(WAIT_RATIO_BANDS)
+        ]
+        self._ratio_at: dict[int, tuple[float, int]] = {}
+        #: the band of the forecast last judged (what the snapshot reports)
+        self._read = 0
 
     # -- what it learns from -------------------------------------------------------------------
 
@@ -115,8 +138,10 @@ class Forecast:
         """A queued caller forecast to wait ``forecast`` seconds was admitted, or turned away at
         its bound, after ``waited`` (then a lower bound of its wait)."""
         if forecast > 0.0:
-            self._wait_ratios.append(max(0.0, waited) / forecast)
-            self._ratio_at = None
+            band = wait_ratio_band(forecast)
+            self._wait_ratios[band].append(max(0.0, waited) / forecast)
+            for read in (band - 1, band, band + 1):
+                self._ratio_at.pop(read, None)
 
     # -- what it answers -----------------------------------------------------------------------
 
@@ -273,31 +298,47 @@ class Forecast:
 
     @property
     def wait_ratio_samples(self) -> int:
-        """How many real / forecast wait ratios the turn-away at arrival reads now."""
-        return len(self._wait_ratios)
+        """How many real / forecast wait ratios the turn-away at arrival read for the forecast
+        it judged last (:meth:`wait_ratio`)."""
+        return self._band_ratio(self._read)[1]
 
-    def wait_ratio(self) -> float:
-        """The ``turn_away_wait_quantile`` of the recent real / forecast wait ratios: what a
-        forecast wait is scaled by before a caller is turned away on it
-        (``UNCALIBRATED_WAIT_RATIO`` with fewer than ``MIN_WAIT_RATIOS`` ratios seen; 1.0 with
-        the quantile off)."""
+    def wait_ratio(self, forecast: float | None = None) -> float:
+        """What a forecast wait of ``forecast`` seconds is scaled by before a caller is turned
+        away on it (None: the forecast judged last): the ``turn_away_wait_quantile`` of the
+        recent real / forecast wait ratios of forecasts of its size (its band, or with too few
+        there, its band and the two beside it); ``UNCALIBRATED_WAIT_RATIO`` with fewer than
+        ``MIN_WAIT_RATIOS`` ratios even so; 1.0 with the quantile off."""
+        if forecast is not None:
+            self._read = wait_ratio_band(forecast)
+        return self._band_ratio(self._read)[0]
+
+    def _band_ratio(self, band: int) -> tuple[float, int]:
         q = self._config.turn_away_wait_quantile
-        ratios = self._wait_ratios
-        if q is None:
-            return 1.0
+        cached = self._ratio_at.get(band)
+        if cached is not None:
+            return cached
+        bands = self._wait_ratios
+        ratios = list(bands[band])
         if len(ratios) < MIN_WAIT_RATIOS:
-            return UNCALIBRATED_WAIT_RATIO
-        if self._ratio_at is None:
-            ordered = sorted(ratios)
-            self._ratio_at = ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-        return self._ratio_at
+            for near in (band - 1, band + 1):
+                if 0 <= near < WAIT_RATIO_BANDS:
+                    ratios.extend(bands[near])
+        if q is None:
+            read = (1.0, len(ratios))
+        elif len(ratios) < MIN_WAIT_RATIOS:
+            read = (UNCALIBRATED_WAIT_RATIO, len(ratios))
+        else:
+            ratios.sort()
+            read = (ratios[min(len(ratios) - 1, int(q * len(ratios)))], len(ratios))
+        self._ratio_at[band] = read
+        return read
 
     def turns_away(self, req: Request, wait: float, bound: float | None) -> bool:
         """Is a caller forecast to wait ``wait`` seconds, who may wait ``bound``, turned away at
         arrival? Only when even at the calibrated ratio its wait exceeds the bound
         (``turn_away_wait_quantile``), and the drain of what the engine holds now would not
         admit it within the bound either (:meth:`drain_wait`)."""
-        if not (wait > 0.0 and bound is not None and wait * self.wait_ratio() > bound):
+        if not (wait > 0.0 and bound is not None and wait * self.wait_ratio(wait) > bound):
             return False
         drain = self.drain_wait(max(1, self.deficit(req)), self.predicted_service(req, 0.5))
         return drain is None or drain > bound
@@ -315,6 +356,9 @@ __all__ = [
     "LATE_SHARE_ON",
     "MIN_WAIT_RATIOS",
     "UNCALIBRATED_WAIT_RATIO",
+    "WAIT_RATIO_BANDS",
+    "WAIT_RATIO_BAND_S",
     "DecayingRate",
     "Forecast",
+    "wait_ratio_band",
 ]

@@ -159,10 +159,10 @@ class Snapshot:
     #: the engine's own preemptions, where the adapter can count them (vLLM: Σ
     #: ``num_preempted_reqs``; None: not known)
     engine_preemptions: int | None = None
-    #: what a forecast wait for admission is scaled by before a caller is turned away on it
-    #: (``SchedulerConfig.turn_away_wait_quantile`` of the recent real / forecast waits;
-    #: ``UNCALIBRATED_WAIT_RATIO`` until enough were seen, 1.0 with the quantile off), and how
-    #: many such ratios it reads
+    #: what a forecast wait for admission is scaled by before a caller is turned away on it,
+    #: for the forecast judged last (``SchedulerConfig.turn_away_wait_quantile`` of the recent
+    #: real / forecast waits of forecasts of its size; ``UNCALIBRATED_WAIT_RATIO`` until enough
+    #: were seen, 1.0 with the quantile off), and how many such ratios it read
     wait_forecast_ratio: float = 1.0
     wait_forecast_samples: int = 0
 
