@@ -88,9 +88,9 @@ class Forecast:
     __slots__ = (
         "_config",
         "_ft_prompts",
+        "_judged_band",
         "_queues",
         "_ratio_at",
-        "_read",
         "_releases",
         "_s",
         "_wait_ratios",
@@ -115,7 +115,7 @@ class Forecast:
         ]
         self._ratio_at: dict[int, tuple[float, int]] = {}
         #: the band of the forecast last judged (what the snapshot reports)
-        self._read = 0
+        self._judged_band = 0
 
     # -- what it learns from -------------------------------------------------------------------
 
@@ -300,7 +300,7 @@ class Forecast:
     def wait_ratio_samples(self) -> int:
         """How many real / forecast wait ratios the turn-away at arrival read for the forecast
         it judged last (:meth:`wait_ratio`)."""
-        return self._band_ratio(self._read)[1]
+        return self._band_ratio(self._judged_band)[1]
 
     def wait_ratio(self, forecast: float | None = None) -> float:
         """What a forecast wait of ``forecast`` seconds is scaled by before a caller is turned
@@ -309,8 +309,8 @@ class Forecast:
         there, its band and the two beside it); ``UNCALIBRATED_WAIT_RATIO`` with fewer than
         ``MIN_WAIT_RATIOS`` ratios even so; 1.0 with the quantile off."""
         if forecast is not None:
-            self._read = wait_ratio_band(forecast)
-        return self._band_ratio(self._read)[0]
+            self._judged_band = wait_ratio_band(forecast)
+        return self._band_ratio(self._judged_band)[0]
 
     def _band_ratio(self, band: int) -> tuple[float, int]:
         q = self._config.turn_away_wait_quantile
