@@ -174,7 +174,7 @@ def lookup_class(table: Mapping[str, ServiceClass], name: str) -> ServiceClass:
         raise UnknownClass(name, sorted(table)) from None
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen(slots=True, cache_hash=True)  # (a dict key on every arrival and allowance)
 class CalibrationKey:
     """What a request's output length is predicted from (DESIGN §6)."""
 

@@ -1199,7 +1199,7 @@ class BudgetedEngine:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list | tuple) or not ids:
                 raise InvalidInput("prompt_token_ids", ids, "a non-empty list of token ids")
-            return [int(t) for t in ids], prompt.get("prompt")
+            return list(map(int, ids)), prompt.get("prompt")
         raise InvalidInput(
             "prompt",
             prompt,
@@ -1456,10 +1456,10 @@ class BudgetedEngine:
         if self._requests.get(reng.request_id) is reng:
             del self._requests[reng.request_id]
 
-    async def _generate_lazily(self, args: tuple[Any, ...]) -> AsyncGenerator[Any, None]:
-        async with contextlib.aclosing(self._stream(self._prepare(*args))) as stream:
-            async for out in stream:
-                yield out
+    def _generate_lazily(self, args: tuple[Any, ...]) -> AsyncGenerator[Any, None]:
+        """``args``' stream, which prepares the request when it is first iterated (an invalid
+        request raises there, as vLLM's own generate does)."""
+        return self._stream(None, args)
 
     def _prepare(
         self,
@@ -1540,7 +1540,13 @@ class BudgetedEngine:
         self._requests[request_id] = reng
         return _Prepared(reng, steps, prompt_text, prompt_ids, kind)
 
-    async def _stream(self, prepared: _Prepared) -> AsyncGenerator[Any, None]:
+    async def _stream(
+        self, prepared: _Prepared | None, args: tuple[Any, ...] = ()
+    ) -> AsyncGenerator[Any, None]:
+        """The outputs of one request (``prepared``, or prepared here from ``args``: one async
+        generator layer fewer on every token than a wrapper that prepares and delegates)."""
+        if prepared is None:
+            prepared = self._prepare(*args)
         reng, steps, kind = prepared.reng, prepared.steps, prepared.kind
         prompt_text, prompt_ids = prepared.prompt_text, prepared.prompt_ids
         request_id = reng.request_id
