@@ -156,7 +156,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-from kvbudget.engines.tiny_model import CPU_VLLM_ENV  # noqa: E402
+from kvbudget.engines.tiny_model import CPU_VLLM_ENV, set_autogroup_nice  # noqa: E402
 
 # -- settings ---------------------------------------------------------------------------------
 
@@ -277,24 +277,6 @@ def configure_client_env() -> None:
     os.environ.update(clean)
     for key, value in CPU_VLLM_ENV.items():
         os.environ.setdefault(key, value)
-
-
-def set_autogroup_nice(pid: int, nice: int) -> bool:
-    """Give the session of ``pid`` (its autogroup) the niceness ``nice``; False where the kernel
-    has no autogroups or refuses.
-
-    With autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``) the CPU is shared
-    between sessions first, and a process's own niceness only acts inside its session: a server
-    at nice 10 in a session of its own still starved the load generator (measured with a 10 ms
-    heartbeat: wake-ups 0.36 s late on the other core, none at all for 15 s on the core vLLM's
-    CPU worker is bound to). Its session's niceness acts between sessions: 0 late wake-ups under
-    the same load.
-    """
-    try:
-        Path(f"/proc/{pid}/autogroup").write_text(f"{nice}\n")
-    except OSError:
-        return False
-    return True
 
 
 # -- small HTTP helpers (stdlib, no proxies) ---------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 import vllm_support
+from kvbudget.engines.tiny_model import set_autogroup_nice
 
 pytestmark = pytest.mark.vllm
 
@@ -64,10 +65,9 @@ class ServerProcess:
             stderr=subprocess.STDOUT, start_new_session=True,
         )
         # the test is the client: on 2 cores a busy server in a session of its own starves it
-        # unless the session itself is niced (benchmarks/serve_bench.py, set_autogroup_nice)
+        # unless the session itself is niced
         os.setpriority(os.PRIO_PROCESS, self.proc.pid, SERVER_NICE)
-        with contextlib.suppress(OSError):
-            pathlib.Path(f"/proc/{self.proc.pid}/autogroup").write_text(f"{SERVER_NICE}\n")
+        set_autogroup_nice(self.proc.pid, SERVER_NICE)
 
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
