@@ -1222,3 +1222,29 @@ def test_weighted_tenant_fairness_under_saturation() -> None:
     assert share_a == pytest.approx(10 / 11, rel=0.10)
     share_b = 1 - share_a
     assert share_b == pytest.approx(1 / 11, rel=0.10)
+
+
+def test_an_overshoot_into_the_slack_waits_for_the_engine_before_a_continuation() -> None:
+    """An engine that overshoots its boundary into the reserved slack has not stopped: the token
+    past the boundary may be its last one. With no room to extend, the request is told nothing
+    final until the engine says it stopped (then a continuation) or ended (then it completed;
+    found by the property harness: a Continue for a request whose overshooting token was its
+    natural end)."""
+    from kvbudget.core.policy import NewTokenRatioPolicy
+
+    def overshot() -> Scheduler:
+        s = Scheduler(
+            Capacity(5, 4), policy=NewTokenRatioPolicy(), config=SchedulerConfig(slack_tokens=2)
+        )
+        spec_ = RequestSpec(17, 3, 20, service_class="interactive", on_exhausted="continue")
+        assert of(s.arrive("r1", spec_, 0.0), ev.Admit, "r1")[0].boundary == 1
+        out = s.charge("r1", 2, 0.0)  # one token past the boundary, into the slack
+        assert not of(out, ev.Continue) and not of(out, ev.Preempt)
+        return s
+
+    s = overshot()
+    s.finish("r1", "stop", 0.1)  # it was its last token
+    assert s.requests["r1"].state is State.RELEASING
+    s = overshot()
+    out = s.boundary_reached("r1", 0.1)  # it stopped and wants more: no room, a continuation
+    assert of(out, ev.Continue, "r1")[0].continuation.remaining_tokens == 1

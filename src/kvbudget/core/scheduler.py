@@ -418,8 +418,10 @@ class Scheduler:
         return _NOTHING
 
     def _near_boundary(self, req: Request, now: float) -> list[ev.Action]:
-        if req.generated > req.boundary:
-            return self._blocked(req, now)
+        # past its boundary (an engine that overshoots, into the reserved slack) a request is
+        # not stopped yet: its extension is asked for as near the boundary, and what becomes of
+        # it if none comes waits until the engine says it stopped (boundary_reached) or ended
+        # (finish) -- the overshooting token may be its last one
         if not req.ext_pending:
             self._want_extension(req)
             actions = self._pump(now)
