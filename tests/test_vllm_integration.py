@@ -715,7 +715,7 @@ def test_text_held_back_for_an_unfinished_character_goes_out_at_the_end(env: _En
     shared-prefix run lost up to 8 characters at the end): at the end everything held back
     goes out, so the text is the decoding of every token, an unfinished last character left
     out as vLLM's detokenizer leaves it."""
-    from kvbudget.engines.vllm.adapter import _SeamText
+    from kvbudget.engines.vllm.adapter import _SeamText, _StreamText
 
     tok = env.engine.tokenizer
     vocab = range(5, 1000)
@@ -723,8 +723,13 @@ def test_text_held_back_for_an_unfinished_character_goes_out_at_the_end(env: _En
     letters = [t for t in vocab if tok.decode([t]).isalpha()]
     tokens = [letters[0], partial[0], letters[1], letters[2], letters[3], partial[1]]
     want = tok.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
-    for split in range(1, len(tokens)):  # the final output carries tokens[split:]
-        seam = _SeamText(tok, [], "", True)
+    decoders = [
+        lambda: _SeamText(tok, [], "", True),
+        lambda: _StreamText(tok, tok._tokenizer, True),
+    ]
+    for split, make in itertools.product(range(1, len(tokens)), decoders):
+        # (the final output carries tokens[split:])
+        seam = make()
         ids: list[int] = []
         text = ""
         for t in tokens[:split]:

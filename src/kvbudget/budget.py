@@ -474,6 +474,13 @@ class Lease:
         )
 
 
+def _stream_error(exc: Exception, eid: str) -> EngineError:
+    """What an engine stream's failure to yield a step means for the request."""
+    if isinstance(exc, StopAsyncIteration):
+        return EngineError(eid, "the stream ended without a finished step")
+    return EngineError(eid, f"{type(exc).__name__}: {exc}")
+
+
 class _Holder:
     """Mutable result of one generation while it runs."""
 
@@ -487,7 +494,7 @@ class _Holder:
         self.error: BaseException | None = None
 
 
-_RELEASED_STATES = frozenset({"checkpointed", "queued", "released", "rejected"})
+_RELEASED_STATES = frozenset({State.CHECKPOINTED, State.QUEUED, State.RELEASED, State.REJECTED})
 
 
 def _give_up_unstarted(lease: Lease) -> None:
@@ -919,6 +926,8 @@ class Budget:
             lease.arrive()
         if spec.durable:
             gen = self._durable(engine, spec, rid, sink, stall, lease)
+        elif sink is None:  # (one async-generator layer fewer on every token)
+            gen = self._steps(engine, spec, rid, _Holder(), stall, lease)
         else:
             gen = self._inline(engine, spec, rid, sink, stall, lease)
         if lease is not None:
@@ -1025,12 +1034,16 @@ class Budget:
         lease = arrived if arrived is not None else self.lease(spec, rid)
         holder.lease = lease
         clock = self._clock
+        released = _RELEASED_STATES
         try:
             await lease.__aenter__()
         except BaseException as exc:
             holder.outcome = "rejected" if isinstance(exc, Overloaded) else _classify(exc)
             raise
         final: GenerationStep | None = None
+        core = lease._req  # (the core's request: read directly on every step below)
+        assert core is not None  # admitted
+        hard_max = spec.hard_max
         try:
             while final is None:  # one engine attempt per iteration
                 attempt = lease.attempt
@@ -1039,17 +1052,26 @@ class Budget:
                     eid, spec.prompt_tokens, lease.hard_max, resume=lease.resume
                 )
                 resumed = attempt > 0
+                anext = stream.__anext__
                 try:
                     while True:
                         if lease._interrupt is not None:
                             raise lease._interrupt
-                        generated = lease.generated
-                        if generated >= lease.boundary and generated < lease.hard_max:
+                        generated = core.generated
+                        if generated >= core.boundary and generated < hard_max:
                             await lease.wait_for_grant()
                         if lease.attempt != attempt:
                             raise _Superseded()
-                        step = await self._pull(stream, eid, stall)
-                        if lease.attempt != attempt or lease.state in _RELEASED_STATES:
+                        if stall is None:
+                            try:
+                                step = await anext()
+                            except KvBudgetError:
+                                raise
+                            except Exception as exc:
+                                raise _stream_error(exc, eid) from exc
+                        else:
+                            step = await self._pull(stream, eid, stall)
+                        if lease.attempt != attempt or core.state in released:
                             # this attempt was preempted and its stop already confirmed (the
                             # engine freed it) before its output was consumed: drop the output
                             if lease._ended and lease._interrupt is not None:
@@ -1057,7 +1079,7 @@ class Budget:
                             raise _Superseded()
                         if step.new_tokens:
                             lease._book(step.new_tokens)
-                        holder.tokens = lease.generated
+                        holder.tokens = core.generated
                         if step.finished:
                             reason = step.finish_reason
                             if reason == "stop" or reason == "length":
@@ -1078,11 +1100,8 @@ class Budget:
                             # (a token booked after a preemption landed is kept in the resume
                             # checkpoint, so the caller gets it too)
                             yield GenerationStep(
-                                step.new_tokens,
-                                lease.generated,
-                                clock(),
-                                resumed,
-                                payload=step.payload,
+                                step.new_tokens, core.generated, clock(), resumed, False, None,
+                                step.payload,
                             )
                             resumed = False
                         if lease._interrupt is not None:
@@ -1091,7 +1110,10 @@ class Budget:
                     superseded = (
                         isinstance(exc, Exception)
                         and not lease._ended
-                        and (lease.attempt != attempt or lease.state in _RELEASED_STATES)
+                        and (
+                            lease.attempt != attempt
+                            or (lease._req is not None and lease._req.state in released)
+                        )
                     )
                     if superseded or (
                         isinstance(exc, Preempted) and lease._interrupt is exc and not lease._ended
@@ -1129,20 +1151,18 @@ class Budget:
         else:  # cancellation, GeneratorExit: the caller went away
             lease.cancel()
 
-    async def _pull(self, stream: Any, eid: str, stall: float | None) -> EngineStep:
+    async def _pull(self, stream: Any, eid: str, stall: float) -> EngineStep:
+        """The engine stream's next step within ``stall`` seconds (without a stall timeout
+        :meth:`_steps` awaits the stream itself: the hot path)."""
         try:
-            if stall is None:
-                return await stream.__anext__()  # type: ignore[no-any-return]
             with anyio.fail_after(stall):
                 return await stream.__anext__()  # type: ignore[no-any-return]
-        except StopAsyncIteration:
-            raise EngineError(eid, "the stream ended without a finished step") from None
         except TimeoutError:
             raise EngineStalled(eid, f"no step within {stall}s") from None
         except KvBudgetError:
             raise
         except Exception as exc:
-            raise EngineError(eid, f"{type(exc).__name__}: {exc}") from exc
+            raise _stream_error(exc, eid) from exc
 
     async def _close_stream(self, stream: Any) -> None:
         aclose = getattr(stream, "aclose", None)

@@ -204,7 +204,7 @@ class KvbudgetLogger:
     structlog's defaults from ``info`` up only (see ``docs/operations.md``).
     """
 
-    __slots__ = ("_configured", "_quiet")
+    __slots__ = ("_bound", "_bound_for", "_configured", "_quiet")
 
     def __init__(self, name: str) -> None:
         self._configured = structlog.get_logger(name)
@@ -213,9 +213,26 @@ class KvbudgetLogger:
             wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
             logger_name=name,
         )
+        self._bound: Any = None
+        self._bound_for: tuple[int, ...] = ()
 
     def _target(self) -> Any:
-        return self._configured if structlog.is_configured() else self._quiet
+        if not structlog.is_configured():
+            return self._quiet
+        # structlog's lazy proxy binds a new logger on every call (about 10 us, several times
+        # per request), unless the application asked it to cache; the logger bound for the
+        # current configuration is kept until the application configures structlog again
+        cfg = structlog.get_config()
+        key = (
+            id(cfg["wrapper_class"]),
+            id(cfg["processors"]),
+            id(cfg["logger_factory"]),
+            id(cfg["context_class"]),
+        )
+        if key != self._bound_for:
+            self._bound = self._configured.bind()
+            self._bound_for = key
+        return self._bound
 
     def debug(self, event: str, **fields: Any) -> None:
         self._target().debug(event, **fields)

@@ -41,6 +41,7 @@ names stay importable from here.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import repeat
 
 from kvbudget.core.lifecycle import (
     HOLDING_STATES,
@@ -58,6 +59,8 @@ from kvbudget.core.lifecycle import (
 from kvbudget.core.model import Capacity, blocks_for
 from kvbudget.errors import PolicyViolation
 from kvbudget.validate import check_int
+
+_ONE = 1  # (its bound comparisons count holders in C: 1 < n, 1 == n)
 
 # the lifecycle's names stay importable from here, where they used to live
 __all__ = [
@@ -140,7 +143,8 @@ class Ledger:
     def reusable(self, req: Request) -> int:
         """How many of ``req``'s prefix blocks another holder is charged for already."""
         shared = self.shared
-        return sum(1 for h in req.prefix if h in shared) if shared else 0
+        # (counted in C, here and below: these run several times for every admission)
+        return sum(map(shared.__contains__, req.prefix)) if shared else 0
 
     def admission_blocks(self, req: Request, boundary: int) -> int:
         """What granting ``req`` a grant to ``boundary`` takes from the free blocks: the grant
@@ -159,7 +163,7 @@ class Ledger:
         prompt blocks another holder keeps in the engine's cache meanwhile."""
         shared = self.shared
         if req.blocks:  # it holds its prefix itself: what others hold too stays cached
-            kept = sum(1 for h in req.prefix if shared.get(h, 0) > 1)
+            kept = sum(map(_ONE.__lt__, map(shared.get, req.prefix, repeat(0))))
         else:
             kept = self.reusable(req)
         return max(1, req.prompt + req.generated - kept * self.block_size)
@@ -170,7 +174,7 @@ class Ledger:
         if not req.blocks:
             return 0
         shared = self.shared
-        alone = sum(1 for h in req.prefix if shared.get(h) == 1)
+        alone = sum(map(_ONE.__eq__, map(shared.get, req.prefix, repeat(0))))
         return req.blocks - len(req.prefix) + alone
 
     def fits_admission(self, blocks: int) -> bool:

@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import copy
 import math
+import operator
 import platform
 import time
 import uuid
@@ -387,6 +388,103 @@ class _SeamText:
         return text
 
 
+def _token_ids(ids: list[Any] | tuple[Any, ...]) -> list[int]:
+    """A copy of ``ids`` as Python ints; InvalidInput if one is not an integer (a float or a
+    string is not silently truncated or parsed). Plain ints, the common case, are checked by
+    one pass in C: their sum is an int, where a float, a numpy scalar or a Decimal among them
+    makes it something else."""
+    out = list(ids)
+    try:
+        if type(sum(out)) is int:
+            return out
+    except TypeError:
+        pass
+    try:
+        return [operator.index(t) for t in out]
+    except TypeError:
+        bad = next(t for t in out if not _is_index(t))
+        raise InvalidInput("prompt_token_ids", bad, "integer token ids") from None
+
+
+def _is_index(value: Any) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _ends_mid_character(tokenizer: Any, prompt_ids: list[int]) -> bool:
+    """Does the prompt's text end on an unfinished character (its last tokens decode to a
+    replacement character)? A fast tokenizer's own decoder answers without HF's wrapper."""
+    tail = prompt_ids[-8:]
+    raw: Any = getattr(tokenizer, "_tokenizer", None)
+    text = raw.decode(tail) if _is_rust_tokenizer(raw) else tokenizer.decode(tail)
+    return str(text).endswith("\ufffd")
+
+
+def _is_rust_tokenizer(raw: Any) -> bool:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # pragma: no cover - vLLM depends on tokenizers
+        return False
+    return isinstance(raw, Tokenizer)
+
+
+class _StreamText:
+    """The text of a first segment's tokens alone, when the prompt ends mid-character.
+
+    Incremental, as vLLM's fast detokenizer does it (tokenizers' ``DecodeStream``, in Rust), but
+    not primed with the prompt, so the prompt's unfinished character never comes back; what it
+    holds back for an unfinished character goes out with the final tokens (as
+    :class:`_SeamText`). The Python decoding of :class:`_SeamText` costs two tokenizer calls per
+    token; this one a step of the stream. Should the stream fail (tokenizers raises on an
+    output that is not valid UTF-8 from the start), it hands on to a :class:`_SeamText`
+    picking up from the text sent so far.
+    """
+
+    __slots__ = ("_fallback", "_raw", "_read", "_sent", "_skip", "_step", "_tokenizer")
+
+    def __init__(self, tokenizer: Any, raw: Any, skip_special: bool) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._tokenizer = tokenizer
+        self._raw = raw
+        self._skip = skip_special
+        self._step = DecodeStream(skip_special_tokens=skip_special).step
+        self._read = 0
+        self._sent: list[str] = []
+        self._fallback: _SeamText | None = None
+
+    def delta(self, ids: list[int], final: bool = False) -> str:
+        """As :meth:`_SeamText.delta`."""
+        if self._fallback is not None:
+            return self._fallback.delta(ids, final)
+        raw, step, read = self._raw, self._step, self._read
+        pieces: list[str] = []
+        try:
+            for i in range(read, len(ids)):
+                piece = step(raw, ids[i])
+                read = i + 1
+                if piece:
+                    pieces.append(piece)
+        except Exception:
+            sent = "".join(self._sent) + "".join(pieces)
+            self._fallback = _SeamText(self._tokenizer, ids[:read], sent, self._skip)
+            self._sent.clear()
+            return "".join(pieces) + self._fallback.delta(ids, final)
+        self._read = read
+        text = "".join(pieces)
+        if final:  # what the stream still holds back (complete characters before an unfinished one)
+            sent = "".join(self._sent) + text
+            full = str(raw.decode(ids, skip_special_tokens=self._skip)).rstrip("\ufffd")
+            if len(full) > len(sent) and full.startswith(sent):
+                text += full[len(sent) :]
+        if text:
+            self._sent.append(text)
+        return text
+
+
 # == one vLLM request, possibly in several segments ================================================
 
 
@@ -431,7 +529,9 @@ class _Segment:
         self.abort_sent = False
         self.end_mark = 0  # EngineStats.records when it ended (or when its abort was sent)
         self.done = asyncio.Event()
-        self.text: _SeamText | None = None  # a resumed segment's own detokenizer
+        #: the adapter's own detokenizer of a resumed segment, or of a first one after a
+        #: prompt ending mid-character
+        self.text: _SeamText | _StreamText | None = None
 
 
 class _RequestEngine:
@@ -483,7 +583,7 @@ class _RequestEngine:
         self.own_text = (
             tok is not None
             and not getattr(params, "stop", None)
-            and str(tok.decode(prompt_ids[-8:])).endswith("\ufffd")
+            and _ends_mid_character(tok, prompt_ids)
         )
         #: text handed on so far, a piece per step, and each step's tokens (a resumed segment
         #: continues that text)
@@ -531,9 +631,12 @@ class _RequestEngine:
             self.resubmits += 1
             self.owner._count(self.request_id, resubmissions=1, reprefill_tokens=len(self.ids))
         if (base or self.own_text) and self.tokenizer is not None:
-            seg.text = _SeamText(
-                self.tokenizer, self.ids, "".join(self.sent), self.params.skip_special_tokens
-            )
+            skip = self.params.skip_special_tokens
+            raw = getattr(self.tokenizer, "_tokenizer", None)  # a fast tokenizer's own
+            if not base and _is_rust_tokenizer(raw):
+                seg.text = _StreamText(self.tokenizer, raw, skip)
+            else:
+                seg.text = _SeamText(self.tokenizer, self.ids, "".join(self.sent), skip)
         kwargs = self.engine_kwargs
         if base or k or self.prompt is None or isinstance(self.prompt, str):
             prompt: Any = {"prompt_token_ids": self.prompt_ids + self.ids}
@@ -654,6 +757,7 @@ class _RequestEngine:
             del self.ids[resume.generated_tokens :]
             self._forget_sent(resume.generated_tokens)
         slack = owner.slack_tokens
+        sent_text, sent_tokens = self.sent.append, self.sent_tokens.append
         k = 0
         seg = await self._submit(request_id, k, max_tokens)
         try:
@@ -721,8 +825,9 @@ class _RequestEngine:
                         continue
                     raise EngineError(request_id, f"vLLM ended the stream ({reason!r})")
                 if n:
-                    self._sent(comp.text, n)
-                    yield EngineStep(n, payload=out)
+                    sent_text(comp.text)  # (self._sent, inlined: every token)
+                    sent_tokens(n)
+                    yield EngineStep(n, False, None, out)
         finally:
             cur = self.current
             if cur is not None and not cur.final and not cur.aborting:
@@ -916,6 +1021,8 @@ class BudgetedEngine:
         self.prefix_caching = bool(getattr(cache, "enable_prefix_caching", False))
         #: prompt tokens vLLM reported it found in its prefix cache (first segments)
         self.prefix_cached_tokens = 0
+        self._token_id_bound: int | None = None
+        self._token_id_bound_read = False
         #: the kvbudget Budget that owns the promises
         self.budget = Budget(
             self.capacity,
@@ -1199,7 +1306,7 @@ class BudgetedEngine:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list | tuple) or not ids:
                 raise InvalidInput("prompt_token_ids", ids, "a non-empty list of token ids")
-            return list(map(int, ids)), prompt.get("prompt")
+            return _token_ids(ids), prompt.get("prompt")
         raise InvalidInput(
             "prompt",
             prompt,
@@ -1258,10 +1365,29 @@ class BudgetedEngine:
         (the core's ``prefix_mismatches`` counter over every class and tenant)."""
         return sum(c.prefix_mismatches for c in self.budget.scheduler.counters.values())
 
+    def _largest_token_id(self) -> int | None:
+        """The largest token id vLLM's vocabulary check accepts (``validate_token_ids``: the
+        larger of the tokenizer's and the model's vocabulary), read once; None if unknown."""
+        if not self._token_id_bound_read:
+            self._token_id_bound_read = True
+            renderer: Any = getattr(self.engine, "renderer", None)
+            try:
+                self._token_id_bound = max(
+                    int(renderer.tokenizer.max_token_id),
+                    int(renderer.model_config.get_vocab_size()) - 1,
+                )
+            except Exception:
+                self._token_id_bound = None
+        return self._token_id_bound
+
     def _check_vocabulary(self, prompt_ids: list[int]) -> None:
         """vLLM's own vocabulary check (``renderer.validate_token_ids``), before the budget
         admits anything: inside ``add_request`` it would fail the request after admission (a
-        500 from a server) for what is the client's mistake (InvalidInput: a 400)."""
+        500 from a server) for what is the client's mistake (InvalidInput: a 400). Ids within
+        the bound vLLM checks against (read once) skip the call; others get vLLM's verdict."""
+        bound = self._largest_token_id()
+        if bound is not None and min(prompt_ids) >= 0 and max(prompt_ids) <= bound:
+            return
         validate = getattr(getattr(self.engine, "renderer", None), "validate_token_ids", None)
         if validate is None:
             return
