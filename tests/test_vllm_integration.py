@@ -699,6 +699,47 @@ def test_prefill_probes_measure_the_engine_before_the_first_caller(env: _Env) ->
     assert running == 0 and snap.active == 0 and snap.reserved_blocks == 0
 
 
+def test_malformed_token_ids_are_invalid_input_and_hold_nothing(env: _Env) -> None:
+    """Token ids that are not integers (a float is not truncated, a string not parsed) or lie
+    outside the vocabulary are the caller's mistake: InvalidInput naming the field, raised
+    before the budget admits anything, and the budget holds nothing afterwards. Integer
+    scalars that are not Python ints (numpy's) are taken as the ids they are."""
+    import numpy as np
+
+    from kvbudget.errors import InvalidInput
+
+    good: list[Any] = _prompt(40)["prompt_token_ids"]
+    bad_prompts = [
+        [*good[:-1], 2.5],
+        [*good[:-1], "7"],
+        [*good[:-1], None],
+        [*good[:-1], -1],
+        [*good[:-1], 10 ** 9],
+    ]
+
+    async def main() -> tuple[list[str], int, list[int]]:
+        be = env.budgeted(prefill_probes=0)
+        async with be:
+            fields = []
+            for i, ids in enumerate(bad_prompts):
+                with pytest.raises(InvalidInput) as info:
+                    async for _ in be.generate({"prompt_token_ids": ids}, _sp(4), f"bad-{i}"):
+                        pass
+                fields.append(info.value.field)
+            held = be.snapshot().reserved_blocks
+            numpy_ids = [np.int64(t) for t in good]
+            got, _ = await _collect(
+                be.generate({"prompt_token_ids": numpy_ids}, _sp(4), "numpy-ids")
+            )
+            await _settle(be)
+            return fields, held, got
+
+    fields, held, got = env.run(main())
+    assert fields == ["prompt_token_ids"] * len(bad_prompts)
+    assert held == 0
+    assert len(got) == 4
+
+
 def test_without_probes_the_cost_model_starts_unmeasured(env: _Env) -> None:
     async def main() -> int:
         be = env.budgeted(prefill_probes=0)

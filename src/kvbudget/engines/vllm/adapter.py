@@ -388,19 +388,20 @@ class _SeamText:
         return text
 
 
-def _token_ids(ids: list[Any] | tuple[Any, ...]) -> list[int]:
-    """A copy of ``ids`` as Python ints; InvalidInput if one is not an integer (a float or a
+def _token_ids(ids: list[Any] | tuple[Any, ...]) -> tuple[list[int], bool]:
+    """A copy of ``ids`` as Python ints, and whether any was not one (an integer scalar such as
+    numpy's, which vLLM cannot serialize); InvalidInput if one is not an integer (a float or a
     string is not silently truncated or parsed). Plain ints, the common case, are checked by
     one pass in C: their sum is an int, where a float, a numpy scalar or a Decimal among them
     makes it something else."""
     out = list(ids)
     try:
         if type(sum(out)) is int:
-            return out
+            return out, False
     except TypeError:
         pass
     try:
-        return [operator.index(t) for t in out]
+        return [operator.index(t) for t in out], True
     except TypeError:
         bad = next(t for t in out if not _is_index(t))
         raise InvalidInput("prompt_token_ids", bad, "integer token ids") from None
@@ -1294,19 +1295,24 @@ class BudgetedEngine:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
+    def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None, Any]:
+        """The prompt's token ids and text, and the prompt to submit (a TokensPrompt whose ids
+        were integer scalars other than Python ints gets them as ints)."""
         if isinstance(prompt, str):
             tok = getattr(self.engine, "tokenizer", None)
             if tok is None:
                 raise InvalidInput(
                     "prompt", prompt, "token ids: this engine has no tokenizer to count a string"
                 )
-            return list(tok.encode(prompt)), prompt
+            return list(tok.encode(prompt)), prompt, prompt
         if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list | tuple) or not ids:
                 raise InvalidInput("prompt_token_ids", ids, "a non-empty list of token ids")
-            return _token_ids(ids), prompt.get("prompt")
+            token_ids, converted = _token_ids(ids)
+            if converted:
+                prompt = {**prompt, "prompt_token_ids": token_ids}
+            return token_ids, prompt.get("prompt"), prompt
         raise InvalidInput(
             "prompt",
             prompt,
@@ -1616,7 +1622,7 @@ class BudgetedEngine:
         if getattr(sampling_params, "n", 1) != 1:  # (generate fans n > 1 out before this)
             raise InvalidInput("sampling_params.n", sampling_params.n, "1 for one budget request")
         blockers = pause_blockers(sampling_params)
-        prompt_ids, prompt_text = self._prompt_ids(prompt)
+        prompt_ids, prompt_text, prompt = self._prompt_ids(prompt)
         self._check_vocabulary(prompt_ids)
         self._check_sampling(sampling_params)
         if not _tokens_only(prompt):
