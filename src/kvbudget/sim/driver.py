@@ -529,7 +529,14 @@ class _Sim:
                 self.preempt_reasons[why] = self.preempt_reasons.get(why, 0) + 1
                 self._stop_engine(r)
                 r.phase = _HELD
-                self._at(t + self.preempt_latency_s, 0, r.rid)
+                if self.preempt_latency_s > 0.0:
+                    self._at(t + self.preempt_latency_s, 0, r.rid)
+                else:
+                    # freed inside the engine's step, before the next running request asks for
+                    # a block (vLLM's schedule loop): a victim's blocks serve the rest of this
+                    # step's growth, rather than each one short of a block preempting another
+                    self._free(r)
+                    self.apply(self.sched.confirm_release(r.rid, t), t)
             elif kind is ev.Abort:
                 assert isinstance(a, ev.Abort)
                 if r.end is None:
