@@ -444,7 +444,7 @@ class _StreamText:
     picking up from the text sent so far.
     """
 
-    __slots__ = ("_fallback", "_raw", "_read", "_sent", "_skip", "_step", "_tokenizer")
+    __slots__ = ("_done", "_fallback", "_raw", "_read", "_sent", "_skip", "_step", "_tokenizer")
 
     def __init__(self, tokenizer: Any, raw: Any, skip_special: bool) -> None:
         from tokenizers.decoders import DecodeStream
@@ -453,7 +453,8 @@ class _StreamText:
         self._raw = raw
         self._skip = skip_special
         self._step = DecodeStream(skip_special_tokens=skip_special).step
-        self._read = 0
+        self._read = 0  # tokens stepped
+        self._done = 0  # tokens whose text has gone out (the stream holds none of them back)
         self._sent: list[str] = []
         self._fallback: _SeamText | None = None
 
@@ -469,18 +470,22 @@ class _StreamText:
                 read = i + 1
                 if piece:
                     pieces.append(piece)
+                    self._done = read
         except Exception:
             sent = "".join(self._sent) + "".join(pieces)
             self._fallback = _SeamText(self._tokenizer, ids[:read], sent, self._skip)
-            self._sent.clear()
             return "".join(pieces) + self._fallback.delta(ids, final)
         self._read = read
         text = "".join(pieces)
-        if final:  # what the stream still holds back (complete characters before an unfinished one)
-            sent = "".join(self._sent) + text
-            full = str(raw.decode(ids, skip_special_tokens=self._skip)).rstrip("\ufffd")
-            if len(full) > len(sent) and full.startswith(sent):
-                text += full[len(sent) :]
+        done = self._done
+        if final and done < len(ids):
+            # what the stream still holds back (complete characters before an unfinished
+            # one): decoded with a few tokens of context, as the stream itself decodes
+            start = max(0, done - 6)
+            head = str(raw.decode(ids[start:done], skip_special_tokens=self._skip))
+            tail = str(raw.decode(ids[start:], skip_special_tokens=self._skip)).rstrip("\ufffd")
+            if len(tail) > len(head) and tail.startswith(head):
+                text += tail[len(head) :]
         if text:
             self._sent.append(text)
         return text
