@@ -7,9 +7,10 @@ Issue 12's case: ``--requests`` requests submitted at once, each a shared ``--pr
 prefix (fresh random tokens per run, so no run finds another's blocks cached) plus ``--own``
 tokens of its own, ``--out`` greedy output tokens with ``ignore_eos``, on the tiny CPU model
 (``--blocks`` KV blocks of 32 tokens, 128 usable). One engine; each repeat runs bare
-``AsyncLLM.generate`` and then the same engine behind :class:`kvbudget.vllm.BudgetedEngine`, side
-by side. Prints per run the wall time, TTFT p50, the front-end process's CPU time, vLLM's own
-preemptions, the peak of requests running at once and the peak KV usage; then the ratios of
+``AsyncLLM.generate`` and the same engine behind :class:`kvbudget.vllm.BudgetedEngine`, side by
+side, the one or the other first in turn. Prints per run the wall time, TTFT p50, the front-end
+process's CPU time, vLLM's own preemptions, the peak of requests running at once and the peak
+KV usage; then the ratios of
 kvbudget's wall time and front-end CPU to bare vLLM's (median and spread over the repeats). Last
 line: one JSON object with every figure.
 """
@@ -108,7 +109,9 @@ async def _main(ns: argparse.Namespace) -> dict[str, Any]:
         await _wave(engine.generate, [[rng.randrange(100, 1000) for _ in range(64)]], sp, "w")
         for rep in range(ns.repeat):
             row: dict[str, Any] = {}
-            for server in ("vllm", "kvbudget"):
+            # the two alternate which goes first: the machine drifts within a repeat as well
+            order = ("vllm", "kvbudget") if rep % 2 == 0 else ("kvbudget", "vllm")
+            for server in order:
                 prefix = [rng.randrange(100, 1000) for _ in range(ns.prefix)]
                 prompts = [
                     prefix + [rng.randrange(100, 1000) for _ in range(ns.own)]

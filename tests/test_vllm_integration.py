@@ -699,6 +699,68 @@ def test_prefill_probes_measure_the_engine_before_the_first_caller(env: _Env) ->
     assert running == 0 and snap.active == 0 and snap.reserved_blocks == 0
 
 
+def test_a_burst_reaches_the_engine_as_it_is_admitted(env: _Env) -> None:
+    """The adapter hands vLLM its token prompts rendered (``renderer.render_cmpl``, as vLLM's own
+    add_request renders a raw prompt), so vLLM processes each in the calling task instead of
+    on its input thread: in a burst the first request reaches the engine core before the
+    others are even prepared (on vLLM's thread path all of a burst was prepared before the
+    first was sent: 48 twins' first tokens came ~10 ms late). The tokens and text are the
+    bare engine's, and a ``cache_salt`` and prompt text go through."""
+    prompts = _random_prompts(env, 6, seed=21)
+    sp = _sp(12)
+
+    async def bare() -> list[tuple[list[int], str, Any]]:
+        return list(await asyncio.gather(*[
+            _stream_all(env.engine.generate({"prompt_token_ids": p}, sp, f"rb-bare-{i}"))
+            for i, p in enumerate(prompts)
+        ]))
+
+    ref = env.run(bare())
+    events: list[tuple[str, str]] = []
+    core = env.engine.engine_core
+    proc = env.engine.input_processor
+    sent, threaded = core.add_request_async, proc.process_inputs_async
+
+    async def send(request: Any, *a: Any, **k: Any) -> Any:
+        events.append(("sent", request.request_id))
+        return await sent(request, *a, **k)
+
+    async def on_thread(*a: Any, **k: Any) -> Any:
+        events.append(("thread", str(a[0])))
+        return await threaded(*a, **k)
+
+    async def main() -> list[tuple[list[int], str, Any]]:
+        be = env.budgeted(prefill_probes=0)
+        prepare = be._prepare
+
+        def prepared(*a: Any, **k: Any) -> Any:
+            events.append(("prepared", str(a[2])))
+            return prepare(*a, **k)
+
+        be._prepare = prepared  # type: ignore[method-assign]
+        async with be:
+            res = await asyncio.gather(*[
+                _stream_all(be.generate(
+                    {"prompt_token_ids": p, "prompt": "x", "cache_salt": "s"} if i == 0
+                    else {"prompt_token_ids": p}, sp, f"rb-{i}"
+                ))
+                for i, p in enumerate(prompts)
+            ])
+            await _settle(be)
+            return list(res)
+
+    core.add_request_async, proc.process_inputs_async = send, on_thread
+    try:
+        res = env.run(main())
+    finally:
+        core.add_request_async, proc.process_inputs_async = sent, threaded
+    assert not [e for e in events if e[0] == "thread"], events
+    kinds = [k for k, _ in events]
+    assert kinds.index("sent") < len(kinds) - 1 - kinds[::-1].index("prepared"), events
+    for (ids, text, _), (rids, rtext, _) in zip(res, ref, strict=True):
+        assert ids == rids and text == rtext
+
+
 def test_malformed_token_ids_are_invalid_input_and_hold_nothing(env: _Env) -> None:
     """Token ids that are not integers (a float is not truncated, a string not parsed) or lie
     outside the vocabulary are the caller's mistake: InvalidInput naming the field, raised
