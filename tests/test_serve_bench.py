@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
-import sys
-from types import ModuleType
 
 import pytest
 
-_PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "serve_bench.py"
+from _bench_loader import load_benchmark
 
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("serve_bench", _PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["serve_bench"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-sb = _load()
+sb = load_benchmark("serve_bench")
 
 
 def _rec(**kw: object) -> sb.Record:

@@ -3,26 +3,9 @@ rule, and its simulated side on a workload (no vLLM import)."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-from types import ModuleType
+from _bench_loader import load_benchmark
 
-_BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-sve = _load("sim_vs_engine")
+sve = load_benchmark("sim_vs_engine")
 svr = sve.svr
 
 

@@ -5,34 +5,18 @@ its JSON shape over a small ``--real`` fixture."""
 from __future__ import annotations
 
 import collections
-import importlib.util
 import json
 import math
 import pathlib
-import sys
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from _bench_loader import load_benchmark
 from kvbudget.sim.report import RequestRecord
 
-_BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-sb = _load("serve_bench")
-svr = _load("sim_vs_real")
+sb = load_benchmark("serve_bench")
+svr = load_benchmark("sim_vs_real")
 TOK = svr.TINY_TOKENIZER
 
 

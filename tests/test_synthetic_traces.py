@@ -3,22 +3,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
-import sys
 
 import numpy as np
 
+from _bench_loader import load_benchmark
 from kvbudget.sim.prefix import trace_prefix_blocks
 from kvbudget.sim.workload import read_mooncake_jsonl
 
-_PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "synthetic_traces.py"
-_spec = importlib.util.spec_from_file_location("synthetic_traces", _PATH)
-assert _spec is not None and _spec.loader is not None
-st = importlib.util.module_from_spec(_spec)
-sys.modules["synthetic_traces"] = st
-_spec.loader.exec_module(st)
+st = load_benchmark("synthetic_traces")
 
 
 def test_sessions_share_system_prompts_and_resend_their_context(tmp_path: pathlib.Path) -> None:
