@@ -1,7 +1,7 @@
 """serve_bench's workloads straight into the engine, no server, against the simulator's vLLM.
 
     PYTHONPATH=src:tests .venv/bin/python benchmarks/sim_vs_engine.py [--workload NAME ...] \
-        [--engine-profile vllm-cpu-tiny] [--seed 0]
+        [--engine-profile vllm-cpu-tiny|FILE|run] [--seed 0]
 
 This module owns the engine half of issue 13's fidelity check. ``benchmarks/sim_vs_real.py``
 compares the simulator with whole servers: vLLM's OpenAI server around the engine, with its HTTP,
@@ -10,8 +10,10 @@ planned requests (:func:`sim_vs_real.plan_workload`: the same arrivals, lengths 
 prefixes, imported, not copied) to a bare ``AsyncLLM`` with the engine settings serve_bench gives
 its servers (257 blocks of 32 tokens, ``max_num_seqs`` 64, ``max_model_len`` 2048, prefix caching
 on), token ids in, each at its planned time, and simulates the same plan with the
-``reserve-current`` baseline (vLLM v1) on the engine profile. Where the two agree and the server
-does not, the difference is the server around the engine, which no engine profile holds.
+``reserve-current`` baseline (vLLM v1) on the engine profile (``run``: fitted from this run's own
+engine steps, timed whole, with no front end but the replay's around them). Where the two agree
+and the server does not, the difference is the server around the engine, which no engine profile
+holds.
 
 Per workload: good / late (serve_bench's rule: every token, TTFT <= 2 s, mean TPOT <= 100 ms),
 TTFT p50 and p99 and vLLM's preemptions, engine and simulator side by side. Prompts are random
@@ -129,9 +131,12 @@ async def replay(
 
 
 async def run_engine(
-    names: Sequence[str], seed: int
+    names: Sequence[str], seed: int, recorder: Any = None
 ) -> dict[str, dict[str, Any]]:
-    """Every workload of ``names`` through one bare AsyncLLM, one after the other."""
+    """Every workload of ``names`` through one bare AsyncLLM, one after the other; with a
+    ``recorder`` (:class:`kvbudget.sim.profile.StepRecorder`) every busy engine step is kept,
+    timed whole (from one step's stats to the next), with its batch and prefilled tokens (its
+    context is not known without a budget: 0)."""
     from vllm import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -142,7 +147,17 @@ async def run_engine(
         vllm_support.tiny_model_dir(), num_blocks=sb.KV_BLOCKS, block_size=32,
         max_num_seqs=sb.MAX_NUM_SEQS, max_model_len=sb.MAX_MODEL_LEN,
     )
+    args.enable_logging_iteration_details = True  # every step reports its batch and prefill
     stats = EngineStats()
+    if recorder is not None:
+
+        def on_step(batch: int, seconds: float, prefill: int | None, wall: float | None) -> None:
+            if prefill is not None:
+                recorder.record(batch, 0, prefill, seconds)
+                if wall is not None:
+                    recorder.record_wall(batch, 0, prefill, wall)
+
+        stats.on_step = on_step
     engine = AsyncLLM.from_engine_args(args, stat_loggers=[stats.factory])
     out: dict[str, dict[str, Any]] = {}
     try:
@@ -186,14 +201,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", action="append", choices=list(WORKLOADS), default=None)
     p.add_argument("--engine-profile", default="vllm-cpu-tiny",
-                   help="the simulated engine: a profile file or a shipped name")
+                   help="the simulated engine: a profile file or a shipped name, or 'run': "
+                        "fitted from this run's own engine steps, timed whole")
     p.add_argument("--seed", type=int, default=0)
     ns = p.parse_args(argv)
-    from kvbudget.sim.profile import EngineProfile
+    from kvbudget.sim.profile import EngineProfile, StepRecorder, fit_profile
 
     names = [w for w in WORKLOADS if ns.workload is None or w in ns.workload]
-    profile = EngineProfile.load(ns.engine_profile)
-    real = asyncio.run(run_engine(names, ns.seed))
+    recorder = StepRecorder() if ns.engine_profile == "run" else None
+    real = asyncio.run(run_engine(names, ns.seed, recorder))
+    if recorder is not None:
+        profile = fit_profile(
+            recorder.wall, name="bare-engine-run",
+            source=f"this run's {len(recorder.wall)} bare-engine steps, timed whole",
+            capacity_blocks=sb.KV_BLOCKS - 1, block_size=32, max_batch=sb.MAX_NUM_SEQS,
+            prefill_chunk_tokens=EngineProfile.load("vllm-cpu-tiny").prefill_chunk_tokens,
+        )
+        print(f"# fitted: {json.dumps(profile.to_dict()['step'])}")
+    else:
+        profile = EngineProfile.load(ns.engine_profile)
     sim = run_sim(names, ns.seed, profile)
     print("workload      good e/s   late e/s   TTFT p50 e/s    TTFT p99 e/s    preempt e/s")
     for name in names:
