@@ -1110,10 +1110,7 @@ class Budget:
                     superseded = (
                         isinstance(exc, Exception)
                         and not lease._ended
-                        and (
-                            lease.attempt != attempt
-                            or (lease._req is not None and lease._req.state in released)
-                        )
+                        and (lease.attempt != attempt or core.state in released)
                     )
                     if superseded or (
                         isinstance(exc, Preempted) and lease._interrupt is exc and not lease._ended

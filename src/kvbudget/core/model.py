@@ -35,9 +35,8 @@ def _to_hashes(value: Iterable[int]) -> tuple[int, ...]:
 
 
 def _check_prefix_blocks(value: tuple[object, ...]) -> None:
-    if not value:
-        return
-    if set(map(type, value)) != {int}:  # (one pass in C: this runs for every request)
+    types = set(map(type, value))  # (one pass in C: this runs for every request)
+    if types - {int} and not all(issubclass(t, int) and t is not bool for t in types):
         raise InvalidInput("prefix_blocks", value, "a tuple of int block hashes")
     if len(set(value)) != len(value):
         # a chained hash never repeats within one prompt; a repeat means the hashes were not

@@ -420,7 +420,11 @@ def _ends_mid_character(tokenizer: Any, prompt_ids: list[int]) -> bool:
     replacement character)? A fast tokenizer's own decoder answers without HF's wrapper."""
     tail = prompt_ids[-8:]
     raw: Any = getattr(tokenizer, "_tokenizer", None)
-    text = raw.decode(tail) if _is_rust_tokenizer(raw) else tokenizer.decode(tail)
+    text = (
+        raw.decode(tail, skip_special_tokens=False)  # (as HF's decode, by default)
+        if _is_rust_tokenizer(raw)
+        else tokenizer.decode(tail)
+    )
     return str(text).endswith("\ufffd")
 
 
