@@ -985,6 +985,12 @@ def text_verdict(text: str, replay: str, plain: str) -> str:
     return "mismatch"
 
 
+def in_time(ttft: float, tpot: float) -> bool:
+    """The objective of a complete stream (the one place of the SLO rule): first token within
+    ``SLO_TTFT_S`` and mean time per output token within ``SLO_TPOT_S``."""
+    return ttft <= SLO_TTFT_S and tpot <= SLO_TPOT_S
+
+
 def classify(rec: Record) -> tuple[str, str]:
     """(outcome, reason) of one request; ``rec.text_ok`` must be set (None: not checked)."""
     if rec.status == 429:
@@ -1018,7 +1024,7 @@ def classify(rec: Record) -> tuple[str, str]:
     tpot = rec.tpot()
     if rec.ttft is None or tpot is None:
         return "failed", "no timing"
-    if rec.ttft > SLO_TTFT_S or tpot > SLO_TPOT_S:
+    if not in_time(rec.ttft, tpot):
         return "late", f"ttft {rec.ttft:.2f} s, tpot {1000 * tpot:.0f} ms"
     return "good", ""
 

@@ -78,7 +78,7 @@ def summarize(
             failed += 1
             continue
         ttfts.append(ttft)
-        if ttft <= sb.SLO_TTFT_S and tpot <= sb.SLO_TPOT_S:
+        if sb.in_time(ttft, tpot):
             good += 1
         else:
             late += 1

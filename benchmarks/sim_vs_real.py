@@ -429,7 +429,7 @@ def classify_sim(rec: RequestRecord, client: ClientView = _NO_STALLS) -> str:
     ttft, tpot = client.timing(rec)
     if ttft is None or tpot is None:
         return "failed"
-    if ttft > sb.SLO_TTFT_S or tpot > sb.SLO_TPOT_S:
+    if not sb.in_time(ttft, tpot):
         return "late"
     return "good"
 
