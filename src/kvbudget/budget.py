@@ -667,6 +667,8 @@ class Budget:
     # -- applying actions ----------------------------------------------------------------------
 
     def _log(self, event: str, lease: Lease, level: str = "debug", **kw: Any) -> None:
+        if level == "debug" and not log.debug_wanted():
+            return
         spec = lease.spec
         getattr(log, level)(
             event,

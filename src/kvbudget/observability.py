@@ -234,8 +234,16 @@ class KvbudgetLogger:
             self._bound_for = key
         return self._bound
 
+    @staticmethod
+    def debug_wanted() -> bool:
+        """False while the quiet logger is in use, which drops debug events: a caller with
+        fields to gather for a debug event can skip them (several such events per request)."""
+        return structlog.is_configured()
+
     def debug(self, event: str, **fields: Any) -> None:
-        self._target().debug(event, **fields)
+        if structlog.is_configured():  # (unconfigured: the quiet logger would drop it, but
+            # only after structlog's lazy proxy bound a new logger, about 10 us)
+            self._target().debug(event, **fields)
 
     def info(self, event: str, **fields: Any) -> None:
         self._target().info(event, **fields)
