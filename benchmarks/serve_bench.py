@@ -551,8 +551,29 @@ class ServerProcess:
         data = json.loads(body)
         return data if isinstance(data, dict) else None
 
+    def cpu_seconds(self) -> dict[str, float | None]:
+        """CPU time used so far by the server's front-end process (its HTTP handling,
+        tokenization, output processing and, for kvbudget, the budget: every thread of it) and
+        by its child processes (vLLM's engine core), from the OS; None once it is gone."""
+        import psutil  # (vLLM's own dependency)
+
+        if self.proc is None:
+            return {"frontend_cpu_s": None, "engine_cpu_s": None}
+        try:
+            main = psutil.Process(self.proc.pid)
+            t = main.cpu_times()
+            engine = 0.0
+            for child in main.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    c = child.cpu_times()
+                    engine += c.user + c.system
+        except psutil.Error:
+            return {"frontend_cpu_s": None, "engine_cpu_s": None}
+        return {"frontend_cpu_s": t.user + t.system, "engine_cpu_s": engine}
+
     def counters(self) -> dict[str, float | None]:
-        """The engine/budget counters this benchmark reports, ``None`` where not exported."""
+        """The engine/budget counters this benchmark reports, ``None`` where not exported, and
+        the CPU time of the server's processes (:meth:`cpu_seconds`)."""
         m = self.metrics()
         snap = self.snapshot()
         totals = (snap or {}).get("totals") or {}
@@ -565,6 +586,7 @@ class ServerProcess:
             "budget_wasted_tokens": m.get("kvbudget_wasted_decoded_tokens_total"),
             "snapshot_wasted_tokens": _num(totals.get("wasted_tokens")),
             "snapshot_tokens": _num(totals.get("tokens")),
+            **self.cpu_seconds(),
         }
 
     def busy(self) -> str | None:
@@ -1355,6 +1377,9 @@ def finish_runs(runs: list[Run]) -> None:
         s = summarize(run.records, run.duration)
         s["engine_preemptions"] = _int(run.counters.get("engine_preemptions"))
         s["wall_s"] = round(run.wall_s, 2)
+        for key in ("frontend_cpu_s", "engine_cpu_s"):
+            cpu = run.counters.get(key)
+            s[key] = None if cpu is None else round(cpu, 2)
         if run.counters.get("budget_preemptions") is not None:
             s["budget_preemptions"] = _int(run.counters["budget_preemptions"])
         if run.workload == "burst":

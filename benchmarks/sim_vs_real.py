@@ -64,6 +64,17 @@ good / late / rejected are predicted from them. As in the real run, one server p
 workloads one after the other, so the budget's length and step-cost models are carried from one
 workload to the next in serve_bench's order.
 
+The servers' front ends (``--front-end run``; off by default). serve_bench counts the CPU time
+of each server's front-end process over each workload; :func:`front_ends_of` fits each server's
+cost per request and per streamed output from those counts
+(:func:`kvbudget.sim.profile.fit_front_end`) and the simulated server gets that front end
+(:class:`kvbudget.sim.engine_model.FrontEndModel`: one thread, first come first served, between
+the clients and the engine). Measured here, both front ends used 18-40 % of a core over every
+workload (140-240 us per streamed token), far from the saturation at which their queue would
+shift good / late; the fit cannot tell the per-request cost from the per-token cost on these
+workloads (their requests and tokens grow together), and the modelled front end moves no cell.
+So it stays off by default, for a server whose front end is its bottleneck.
+
 Outcomes, the same rule on both sides (serve_bench's :func:`serve_bench.classify`): ``good`` =
 every requested token, TTFT <= 2 s and mean TPOT = (last token - first token) / (tokens - 1) <=
 100 ms; ``late`` = complete but over either objective; ``rejected`` = turned away (HTTP 429 or
@@ -113,7 +124,8 @@ import serve_bench as sb  # noqa: E402
 from kvbudget.core.cost import CostModel  # noqa: E402
 from kvbudget.core.lengths import LengthModel  # noqa: E402
 from kvbudget.sim.driver import simulate  # noqa: E402
-from kvbudget.sim.profile import EngineProfile  # noqa: E402
+from kvbudget.sim.engine_model import FrontEndModel  # noqa: E402
+from kvbudget.sim.profile import EngineProfile, FrontEndRecord, fit_front_end  # noqa: E402
 from kvbudget.sim.report import RequestRecord  # noqa: E402
 from kvbudget.sim.scenario import Scenario, SimRequest, apply_scenario  # noqa: E402
 from kvbudget.sim.workload import TraceRequest, Workload  # noqa: E402
@@ -469,6 +481,7 @@ def simulate_workloads(
     bench_args: Sequence[str] = (),
     replay: Replay | None = None,
     stall_speed: float = STALL_SPEED,
+    front_ends: Mapping[str, FrontEndModel] | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``{workload: {server: summary}}`` of the simulated runs, workloads in serve_bench's order,
     each server's budget models carried from one workload to the next (module docstring).
@@ -477,9 +490,15 @@ def simulate_workloads(
     when the real client sent them to that server, not on the planned schedule (a client
     stalled sends late and in bursts), and are read as that client read them (a token that
     came while it was stalled is read when the stall ends); in the client's stalls the engine
-    runs at ``stall_speed`` of its speed (a fitted figure, module docstring)."""
+    runs at ``stall_speed`` of its speed (a fitted figure, module docstring). ``front_ends``:
+    each server's front-end process (:func:`front_ends_of`); a server without one gets its
+    tokens as the engine makes them."""
     send_times = replay.send_times if replay is not None else {}
     engine = profile.engine_model()
+    engines = {
+        s: attrs.evolve(engine, front_end=(front_ends or {}).get(s, engine.front_end))
+        for s in SERVERS
+    }
     policies = {"vllm": VLLM_POLICY, "kvbudget": policy}
     carried = {s: (LengthModel(), CostModel()) for s in SERVERS}
     out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -495,7 +514,7 @@ def simulate_workloads(
             lengths, cost = carried[server]
             stalls = replay.stalls.get(name, {}).get(server, ()) if replay is not None else ()
             result = simulate(
-                reqs, scenario, engine, policies[server], seed=seed, keep_requests=True,
+                reqs, scenario, engines[server], policies[server], seed=seed, keep_requests=True,
                 lengths=lengths, cost=cost, stalls=stalls, stall_speed=stall_speed,
             )
             summary = summarize_sim(result.request_records, ClientView(stalls))
@@ -552,6 +571,39 @@ def _runs(path: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
                 if pattern.match(f.name):
                     grouped[(workload, server)].append(json.loads(f.read_text(encoding="utf-8")))
     return grouped
+
+
+def front_end_stretches(path: Path) -> dict[str, list[FrontEndRecord]]:
+    """Per server, each workload run of a serve_bench ``--out`` directory as one stretch of its
+    front end's work: (requests sent, outputs streamed = the chunks that carried tokens,
+    seconds from the counters before the run to those after it, the front-end process's CPU
+    seconds over them). Runs made before serve_bench counted CPU give none."""
+    out: dict[str, list[FrontEndRecord]] = {}
+    for (_workload, server), runs in _runs(path).items():
+        for run in runs:
+            cpu = (run.get("counters") or {}).get("frontend_cpu_s")
+            recs = run.get("records") or []
+            if cpu is None or not recs:
+                continue
+            summary = run.get("summary") or {}
+            after = (summary.get("idle_wait") or {}).get("after_s") or 0.0
+            outputs = sum(r.get("token_chunks") or 0 for r in recs)
+            out.setdefault(server, []).append(
+                (len(recs), outputs, float(summary.get("wall_s") or 0.0) + after, float(cpu))
+            )
+    return out
+
+
+def front_ends_of(path: Path) -> dict[str, tuple[FrontEndModel, float]]:
+    """Each server's front end fitted from the real run (``--front-end run``):
+    :func:`kvbudget.sim.profile.fit_front_end` over its stretches (:func:`front_end_stretches`),
+    with the idle CPU per second the fit set aside; servers with fewer than two stretches are
+    left out."""
+    fitted: dict[str, tuple[FrontEndModel, float]] = {}
+    for server, stretches in front_end_stretches(path).items():
+        if server in SERVERS and len(stretches) >= 2:
+            fitted[server] = fit_front_end(stretches)
+    return fitted
 
 
 @dataclass(frozen=True)
@@ -841,6 +893,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="with the real client replayed: the simulated engine's speed (0-1) while "
                         f"the client was stalled (default {STALL_SPEED}, fitted on one run; 1: "
                         "the stalls only delay the client's reading)")
+    p.add_argument("--front-end", choices=("run", "none"), default="none",
+                   help="each server's front-end process: not modelled (none, the default: "
+                        "clients get tokens as the engine makes them) or fitted from the real "
+                        "run's CPU counts (run, where serve_bench counted them; "
+                        "docs/benchmarks.md says why it is not the default)")
     p.add_argument("--policy", default="calibrated", help="the kvbudget example's policy")
     p.add_argument("--seed", type=int, default=0, help="serve_bench's dataset seed (default 0)")
     p.add_argument("--num-prompts-scale", type=float, default=1.0)
@@ -942,11 +999,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         list(load_replays(run_dir)) if send_times == "real" and run_dir is not None else [None]
     )
     print(f"# send times: {send_times} ({len(replays)} run(s))", file=sys.stderr)
+    fitted = (
+        front_ends_of(run_dir) if opts.front_end == "run" and run_dir is not None else {}
+    )
+    for server, (fe, idle) in fitted.items():
+        print(f"# front end of {server}: {1e6 * fe.per_request_s:.0f} us per request, "
+              f"{1e6 * fe.per_output_s:.1f} us per output (idle {100 * idle:.1f} % of a core)",
+              file=sys.stderr)
+    front_ends = {server: fe for server, (fe, _) in fitted.items()}
     sim = median_of_runs([
         simulate_workloads(
             opts.workloads, profile=profile, policy=opts.policy, seed=opts.seed,
             scale=opts.num_prompts_scale, tok=tok, bench_args=opts.bench_arg, replay=replay,
-            stall_speed=opts.stall_speed,
+            stall_speed=opts.stall_speed, front_ends=front_ends,
         )
         for replay in replays
     ])
@@ -996,6 +1061,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "bench_args": list(opts.bench_arg),
             "send_times": send_times,
             "stall_speed": opts.stall_speed,
+            "front_ends": {
+                server: {**fe.to_dict(), "idle_share": idle}
+                for server, (fe, idle) in fitted.items()
+            },
             "slo": {"ttft_s": sb.SLO_TTFT_S, "tpot_ms": sb.SLO_TPOT_S * 1000},
             "target": {"share": TARGET_SHARE, "requests": TARGET_REQUESTS},
         },

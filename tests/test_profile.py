@@ -287,3 +287,47 @@ def test_simulate_runs_the_l4_profile_by_name(tmp_path: pathlib.Path) -> None:
     assert run["completed"] + run["abandoned"] + run["rejected"] == run["requests"] == 60
     # a small model's engine: its decode steps are a few milliseconds
     assert prof.step.fixed_s < run["itl_p50_s"] < 0.02
+
+
+def test_the_front_end_fit_recovers_known_costs_and_sets_idle_aside() -> None:
+    from kvbudget.sim.profile import fit_front_end
+
+    per_request, per_output, idle = 0.0015, 0.00004, 0.02
+    stretches = [
+        (n, tokens, seconds, per_request * n + per_output * tokens + idle * seconds)
+        for n, tokens, seconds in ((120, 30_000, 17.0), (160, 22_000, 11.0), (30, 9_000, 3.0),
+                                   (160, 40_000, 25.0), (80, 6_000, 16.0))
+    ]
+    fe, idle_fit = fit_front_end(stretches)
+    assert fe.per_request_s == pytest.approx(per_request, rel=1e-6)
+    assert fe.per_output_s == pytest.approx(per_output, rel=1e-6)
+    assert idle_fit == pytest.approx(idle, rel=1e-6)
+    # a cost that comes out negative is held at 0 and the others refitted
+    flat = [(n, t, s, 0.00005 * t) for n, t, s, _ in stretches]
+    fe, idle_fit = fit_front_end(flat)
+    assert fe.per_request_s >= 0.0 and idle_fit >= 0.0
+    assert fe.per_output_s == pytest.approx(0.00005, rel=1e-6)
+    with pytest.raises(InvalidInput):
+        fit_front_end(stretches[:1])
+    with pytest.raises(InvalidInput):
+        fit_front_end([*stretches, (10, 100, float("nan"), 1.0)])
+    with pytest.raises(InvalidInput):
+        fit_front_end([*stretches, (10, -1, 1.0, 1.0)])
+
+
+def test_a_profile_with_a_front_end_round_trips_and_old_files_still_load(
+    tmp_path: pathlib.Path,
+) -> None:
+    from kvbudget.sim.engine_model import FrontEndModel
+
+    prof = EngineProfile.load("vllm-cpu-tiny")
+    assert prof.front_end is None and "front_end" not in prof.to_dict()
+    fe = FrontEndModel(per_request_s=0.001, per_output_s=2e-5)
+    with_fe = EngineProfile.from_dict({**prof.to_dict(), "front_end": fe.to_dict()})
+    assert with_fe.front_end == fe and with_fe.engine_model().front_end == fe
+    path = tmp_path / "p.json"
+    with_fe.save(path)
+    assert EngineProfile.load(path) == with_fe
+    for bad in ({"per_request_s": -1.0}, {"per_output": 1.0}, "fast"):
+        with pytest.raises(InvalidInput):
+            EngineProfile.from_dict({**prof.to_dict(), "front_end": bad})

@@ -263,3 +263,37 @@ def test_set_autogroup_nice_nices_the_whole_session(tmp_path: pathlib.Path) -> N
         proc.kill()
         proc.wait()
     assert not sb.set_autogroup_nice(proc.pid, 7)  # gone
+
+
+def test_cpu_seconds_counts_the_front_end_and_its_children_apart(tmp_path: pathlib.Path) -> None:
+    """A stand-in server: a process that burns CPU itself and starts a child that burns more
+    (as vLLM's API server and its engine core); ``counters`` reports both, from the OS."""
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', "
+        "'import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.6: pass\\n"
+        "time.sleep(30)'])\n"
+        "t = time.process_time()\n"
+        "while time.process_time() - t < 0.3: pass\n"
+        "time.sleep(30)\n"
+    )
+    srv = sb.ServerProcess(sb.ServerSpec("stand-in", "vllm"), [], 1, tmp_path / "log")
+    assert srv.cpu_seconds() == {"frontend_cpu_s": None, "engine_cpu_s": None}
+    srv.proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        cpu = srv.cpu_seconds()
+        while time.monotonic() < deadline and not (
+            (cpu["frontend_cpu_s"] or 0) >= 0.3 and (cpu["engine_cpu_s"] or 0) >= 0.6
+        ):
+            time.sleep(0.1)
+            cpu = srv.cpu_seconds()
+        assert 0.3 <= (cpu["frontend_cpu_s"] or 0) < 0.6
+        assert (cpu["engine_cpu_s"] or 0) >= 0.6
+    finally:
+        srv.stop()
+    assert srv.cpu_seconds()["frontend_cpu_s"] is None

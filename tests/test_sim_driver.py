@@ -258,3 +258,54 @@ def test_a_machine_stall_slows_the_steps_it_meets(speed: float) -> None:
         assert decode[1] == pytest.approx(decode[0] / speed)
     with pytest.raises(InvalidInput):
         simulate([req], sc, SMALL_ENGINE, "reserve-max", stalls=[(0.0, 1.0)], stall_speed=1.5)
+
+
+def test_the_front_end_delays_what_clients_get_as_a_one_thread_queue() -> None:
+    """Hand-worked: one request alone. The front end takes it in (per_request) before the
+    scheduler sees it, so its prefill starts then; every token reaches the client per_output
+    after its step ends (the front end is idle between steps here: 1 output per step, each
+    shorter than a step). The engine's own steps are untouched."""
+    from kvbudget.sim.engine_model import FrontEndModel
+
+    trace = Workload(name="one", requests=[TraceRequest(arrival_s=0.0, prompt_tokens=100,
+                                                        output_tokens=10)])
+    sc = Scenario(interactive_share=1.0, abandon_share=0.0)
+    (req,) = apply_scenario(trace, sc)
+    step = SMALL_ENGINE.step
+    fe = FrontEndModel(per_request_s=0.002, per_output_s=0.0001)
+    assert fe.per_output_s < step.decode_time(1, 100)
+    plain = simulate([req], sc, SMALL_ENGINE, "reserve-max", keep_requests=True)
+    fronted = simulate([req], sc, attrs.evolve(SMALL_ENGINE, front_end=fe), "reserve-max",
+                       keep_requests=True)
+    (a,), (b,) = plain.request_records, fronted.request_records
+    assert a.ttft_s is not None and a.tpot_s is not None
+    assert b.ttft_s == pytest.approx(a.ttft_s + fe.per_request_s + fe.per_output_s)
+    assert b.tpot_s == pytest.approx(a.tpot_s)
+    assert b.output_tokens == a.output_tokens == 10
+    # a front end that costs nothing changes nothing
+    free = simulate([req], sc, attrs.evolve(SMALL_ENGINE, front_end=FrontEndModel()),
+                    "reserve-max", keep_requests=True)
+    assert free.request_records == plain.request_records
+
+
+def test_a_front_end_that_cannot_keep_up_makes_first_tokens_late() -> None:
+    """Many streams, each step's outputs taking the front end longer than the step: its backlog
+    grows with every step, so clients get tokens ever later than the engine made them, and a
+    request that arrives then waits behind it to be taken in; TTFT and goodput suffer, tokens
+    and preemptions (the engine's business) do not."""
+    from kvbudget.sim.engine_model import FrontEndModel
+
+    reqs, sc = _requests(n=80, rate=40.0, interactive_share=1.0, abandon_share=0.0)
+    engine = EngineModel(capacity=Capacity(4000, 16))
+    base = simulate(reqs, sc, engine, "reserve-current", keep_requests=True)
+    slow = FrontEndModel(per_request_s=0.001, per_output_s=engine.step.decode_time(1, 0))
+    late = simulate(reqs, sc, attrs.evolve(engine, front_end=slow), "reserve-current",
+                    keep_requests=True)
+    assert late.decoded_tokens == base.decoded_tokens and late.completed == base.completed
+    assert late.ttft_p50_s > 2 * base.ttft_p50_s
+    assert late.goodput_rps < base.goodput_rps
+    ttft = {r.request_id: r.ttft_s for r in base.request_records}
+    for rec in late.request_records:
+        got, was = rec.ttft_s, ttft[rec.request_id]
+        if got is not None and was is not None:
+            assert got >= was + slow.per_request_s - 1e-9

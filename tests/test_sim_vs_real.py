@@ -350,3 +350,36 @@ def test_a_stalled_client_reads_what_came_meanwhile_when_the_stall_ends() -> Non
     assert svr.classify_sim(rec) == "good"
     assert svr.classify_sim(rec, view) == "late"
     assert svr.summarize_sim([rec], view)["late"] == 1
+
+
+def test_front_ends_are_fitted_from_the_runs_cpu_counts(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each workload run whose counters hold the front end's CPU is one stretch: (requests,
+    chunks that carried tokens, wall + idle wait after, CPU); a run counted before serve_bench
+    counted CPU gives none. ``--front-end run`` fits each server's and prints it; the default
+    leaves the front ends out."""
+    per_request, per_output = 0.002, 0.0001
+    for k, name in enumerate(("moderate", "overload", "burst")):
+        n = 30 + 50 * k
+        recs = [{"request_id": f"sb-vllm-{name}-r0-abc-{i}", "start": 1.0, "prompt_len": 10,
+                 "output_len": 5, "token_chunks": 10 + 7 * k} for i in range(n)]
+        chunks = sum(r["token_chunks"] for r in recs)
+        (tmp_path / f"records-{name}-vllm-r0.json").write_text(json.dumps({
+            "summary": {**_summary(n, 0), "wall_s": 10.0 + k, "idle_wait": {"after_s": 0.5}},
+            "counters": {"frontend_cpu_s": per_request * n + per_output * chunks},
+            "records": recs,
+        }))
+    (tmp_path / "records-abandon-vllm-r0.json").write_text(json.dumps(
+        {"summary": _summary(1, 0), "counters": {}, "records": recs[:1]}))
+    stretches = svr.front_end_stretches(tmp_path)
+    assert set(stretches) == {"vllm"} and len(stretches["vllm"]) == 3
+    assert stretches["vllm"][0] == (30, 300, 10.5, pytest.approx(0.09))
+    (fe, idle), = svr.front_ends_of(tmp_path).values()
+    assert fe.per_request_s == pytest.approx(per_request, rel=1e-6)
+    assert fe.per_output_s == pytest.approx(per_output, rel=1e-6)
+    assert idle == pytest.approx(0.0, abs=1e-9)
+    assert svr.parse_args(["--sim-only"]).front_end == "none"
+    assert svr.main(["--real", str(tmp_path), "--workload", "burst", "--front-end", "run"]) == 0
+    out = _last_json(capsys.readouterr().out)
+    assert out["meta"]["front_ends"]["vllm"]["per_output_s"] == pytest.approx(per_output)

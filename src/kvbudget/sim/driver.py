@@ -58,6 +58,15 @@ that count is checked against the ledger's ``used`` at every tick and passed to
 ``Scheduler.reconcile`` (which must then find no drift); otherwise the driver does not
 reconcile: it confirms every stop itself.
 
+The front end (``EngineModel.front_end``, off by default). The server process in front of the
+engine is one queue of work, first come first served: an arriving request costs it
+``per_request_s`` and reaches the scheduler when that is done (timed event kind 2); each step's
+outputs (one per stream in the batch and per completed prefill) cost it ``per_output_s`` each,
+queued at the step's end, and the step's tokens reach their clients when that is done. Those
+delivery times are the records' first and last token times, so TTFT, TPOT and the goodput's
+TTFT rule see them; the engine's steps, the scheduler's charges and the inter-token gaps keep
+the engine's own times.
+
 What is measured (all from the driver's own records)
 ----------------------------------------------------
 * Each request ends exactly once: completed, rejected (overloaded), abandoned, continued or
@@ -150,6 +159,7 @@ class _Req:
         "generated",
         "hard_max",
         "interactive",
+        "last_seen",
         "last_token_at",
         "leave_at",
         "phase",
@@ -183,6 +193,7 @@ class _Req:
         self.admitted_at = -1.0
         self.first_token_at = -1.0
         self.last_token_at = -1.0
+        self.last_seen = -1.0  # when its client got its latest token (the front end's delay)
         self.finished_at = -1.0
         self.gaps = 0
         self.stalls = 0
@@ -275,6 +286,13 @@ class _Sim:
         self._stall_at = 0
         self.stall_speed = check_float("stall_speed", stall_speed, maximum=1.0)
         self.engine = engine
+        fe = engine.front_end
+        self.fe_request_s = fe.per_request_s if fe is not None else 0.0
+        self.fe_output_s = fe.per_output_s if fe is not None else 0.0
+        #: when the front end's one thread is through with the work queued so far
+        self.fe_free = -math.inf
+        #: when the clients get the tokens of the step being handed out
+        self.seen = 0.0
         self.scenario = scenario
         interactive, batch = scenario.service_classes()
         self.classes = {interactive.name: interactive, batch.name: batch}
@@ -332,7 +350,8 @@ class _Sim:
         self.resume_cached_tokens = 0  # tokens resumed requests found cached (not recomputed)
         self.resident = 0  # requests whose blocks the engine holds
         self.peak_resident = 0
-        # timed events: (time, seq, kind, rid); kinds: 0 confirm, 1 abandon
+        # timed events: (time, seq, kind, rid); kinds: 0 confirm, 1 abandon, 2 the front end
+        # hands an arrived request to the scheduler
         self.timed: list[tuple[float, int, int, str]] = []
         self.tseq = 0
         # records
@@ -604,6 +623,14 @@ class _Sim:
         self._at(t, 0, r.rid)  # confirmed at the start of the next iteration
         self.apply(self.sched.finish(r.rid, reason, t), t)
 
+    def _enter(self, r: _Req, t: float) -> None:
+        """``r`` reaches the scheduler (at its arrival, or once the front end took it in)."""
+        spec = self._spec(r)
+        r.prefix = spec.prefix_blocks
+        self.apply(self.sched.arrive(r.rid, spec, t), t)
+        if r.end is None and r.abandon_at is not None:
+            self._at(max(r.abandon_at, t), 1, r.rid)
+
     def _token(self, r: _Req, t: float, step_start: float) -> None:
         """One token for ``r`` at ``t`` (slow path: first tokens, resumes, violations)."""
         g = r.generated + 1
@@ -632,7 +659,8 @@ class _Sim:
                 r.stalls += 1
                 self.stalls += 1
         if r.first_token_at < 0.0:
-            r.first_token_at = t
+            r.first_token_at = self.seen
+        r.last_seen = self.seen
         r.last_token_at = t
         if acts:
             self.apply(acts, t)
@@ -705,6 +733,8 @@ class _Sim:
         self.last_release = first_arrival
         guard = last_arrival + 1e6
 
+        fe_request_s, fe_output_s = self.fe_request_s, self.fe_output_s
+
         def drain(until: float) -> None:
             nonlocal ai, next_tick
             while True:
@@ -716,15 +746,18 @@ class _Sim:
                 if t == ta:
                     r = order[ai]
                     ai += 1
-                    spec = self._spec(r)
-                    r.prefix = spec.prefix_blocks
-                    self.apply(sched.arrive(r.rid, spec, t), t)
-                    if r.end is None and r.abandon_at is not None:
-                        self._at(r.abandon_at, 1, r.rid)
+                    if fe_request_s > 0.0:  # the front end takes it in first
+                        free = self.fe_free
+                        self.fe_free = (free if free > t else t) + fe_request_s
+                        self._at(self.fe_free, 2, r.rid)
+                    else:
+                        self._enter(r, t)
                 elif t == te:
                     _t, _s, kind, rid = heapq.heappop(timed)
                     r = self.reqs[rid]
-                    if kind == 0:
+                    if kind == 2:
+                        self._enter(r, t)
+                    elif kind == 0:
                         if r.phase != _DONE and r.phase != _QUEUED:
                             if r.phase == _ABORTING:
                                 self._leave_decode(r)
@@ -813,6 +846,18 @@ class _Sim:
             step_start = now
             now = t_end
             steps += 1
+            if fe_output_s > 0.0:
+                # the front end hands this step's outputs out after what it has queued: one
+                # per stream in the batch and per prefill that completes
+                outputs = nb
+                for r, take in plan:
+                    if r.prefill_left <= take:
+                        outputs += 1
+                free = self.fe_free
+                self.fe_free = (free if free > now else now) + outputs * fe_output_s
+                self.seen = seen = self.fe_free
+            else:
+                self.seen = seen = now
             contiguous = 0
             for r in batch:
                 ph = r.phase
@@ -834,6 +879,7 @@ class _Sim:
                     self.own_blocks += 1  # the token opens a new block
                 acts = charge(r.rid, 1, now)
                 r.last_token_at = now
+                r.last_seen = seen
                 if r.interactive:
                     contiguous += 1
                     r.gaps += 1
@@ -1008,7 +1054,7 @@ class _Sim:
                 output_tokens=r.generated,
                 expected_tokens=min(r.stop_at, r.hard_max),
                 first_token_s=r.first_token_at if r.first_token_at >= 0 else None,
-                last_token_s=r.last_token_at if r.last_token_at >= 0 else None,
+                last_token_s=r.last_seen if r.last_seen >= 0 else None,
                 finished_s=r.finished_at if r.finished_at >= 0 else None,
             )
             for r in self.order

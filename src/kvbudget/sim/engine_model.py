@@ -30,6 +30,15 @@ An iteration-level batching engine in the style of vLLM v1:
   cached, unreferenced, until the space is needed (least recently used first); a newcomer's
   prefill skips its leading cached blocks. The cache itself is
   :class:`kvbudget.sim.prefix.PrefixCache`; off, every prompt is prefilled and held in full.
+* **Front end** ``front_end`` (:class:`FrontEndModel`, off by default): the server process in
+  front of the engine (its HTTP handling, tokenization, output processing and streaming), one
+  thread that does one thing at a time, first come first served. Each arriving request costs it
+  ``per_request_s`` before the scheduler sees it; each step's outputs cost it ``per_output_s``
+  per stream that got a token, and the clients get that step's tokens when it is done. While it
+  keeps up it adds little; when its work outgrows it (many streams, a burst of arrivals) a
+  backlog builds and first tokens come later than the engine made them: what a client measures.
+  The engine itself runs on (vLLM's engine core is its own process) and the scheduler counts
+  tokens as the engine makes them.
 * ``tick_s``: how often the driver sends the scheduler a ``Tick`` (queue time-outs, unconfirmed
   stops) and samples reserved/used KV.
 
@@ -68,6 +77,7 @@ __all__ = [
     "KV_BYTES_PER_TOKEN",
     "KV_CACHE_BYTES",
     "EngineModel",
+    "FrontEndModel",
 ]
 
 KV_BYTES_PER_TOKEN: Final = 2 * 32 * 4096 * 2
@@ -93,6 +103,23 @@ def _check_step(_inst: object, _attr: object, value: Any) -> None:
 
 
 @attrs.frozen(slots=True, kw_only=True)
+class FrontEndModel:
+    """The server's front-end process in front of the engine (module docstring): seconds of
+    its one thread per arriving request and per stream output (one token to one client)."""
+
+    per_request_s: float = attrs.field(default=0.0, validator=nonnegative(name="per_request_s"))
+    per_output_s: float = attrs.field(default=0.0, validator=nonnegative(name="per_output_s"))
+
+    def to_dict(self) -> dict[str, float]:
+        return {"per_request_s": self.per_request_s, "per_output_s": self.per_output_s}
+
+
+def _check_front_end(_inst: object, _attr: object, value: Any) -> None:
+    if value is not None and not isinstance(value, FrontEndModel):
+        raise InvalidInput("front_end", value, "a kvbudget.sim.engine_model.FrontEndModel or None")
+
+
+@attrs.frozen(slots=True, kw_only=True)
 class EngineModel:
     """The simulated engine's KV capacity, step time and limits (module docstring)."""
 
@@ -110,6 +137,8 @@ class EngineModel:
     )
     tick_s: float = attrs.field(default=DEFAULT_TICK_S, validator=positive())
     prefix_caching: bool = attrs.field(default=True, validator=boolean(name="prefix_caching"))
+    #: the server process in front of the engine (None: tokens reach clients as they are made)
+    front_end: FrontEndModel | None = attrs.field(default=None, validator=_check_front_end)
 
     def step_time(self, batch_size: int, context_tokens: int, prefill_tokens: int) -> float:
         """Seconds of one iteration: a decode step plus ``prefill_tokens`` of prefill."""
@@ -140,4 +169,5 @@ class EngineModel:
             "prefill_chunk_tokens": self.prefill_chunk_tokens,
             "tick_s": self.tick_s,
             "prefix_caching": self.prefix_caching,
+            "front_end": None if self.front_end is None else self.front_end.to_dict(),
         }

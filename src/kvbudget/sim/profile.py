@@ -20,6 +20,17 @@ terms that cannot be told apart are 0 and the fixed cost is the mean.
 execution) and timed whole (from the previous step's stats to this one's, as the caller receives
 them; a gap over ``MAX_WALL_GAP_S`` is a stall and left out).
 
+The front end (:func:`fit_front_end`). A server's front-end process is observed as a whole: over
+each stretch of work (a benchmark's workload) the CPU time it used, the requests it took in, the
+outputs it streamed (tokens delivered) and how long the stretch lasted. ``cpu = per_request *
+requests + per_output * outputs + idle * seconds`` is fitted by least squares over the stretches,
+coefficients kept >= 0 as above; the first two make the simulator's
+:class:`~kvbudget.sim.engine_model.FrontEndModel`, the third (what the process spends per
+second whatever it serves: timers, metrics) is reported and left out of it. It is the CPU of
+every thread of the process, taken as the work of one: where a server runs some of it on other
+threads (vLLM tokenizes raw prompts on a thread pool), the front end is modelled a little
+slower than it is.
+
 A profile also carries what the engine was configured with (KV blocks and block size, batch cap,
 prefill chunk) and the abort latency: the time from a stop to its confirmation, which over vLLM
 is one scheduler step (the confirmation comes with the next stats record); it is taken as the
@@ -41,7 +52,7 @@ import attrs
 from kvbudget.core.cost import StepTimeModel
 from kvbudget.core.model import Capacity
 from kvbudget.errors import InvalidInput
-from kvbudget.sim.engine_model import DEFAULT_TICK_S, EngineModel
+from kvbudget.sim.engine_model import DEFAULT_TICK_S, EngineModel, FrontEndModel
 from kvbudget.validate import check_int, integer, nonnegative, text
 
 #: one observed engine step: (batch size, context tokens, prefill tokens, seconds)
@@ -79,6 +90,10 @@ class StepRecorder:
 
     def __len__(self) -> int:
         return len(self.steps)
+
+
+#: one observed stretch of a front end's work: (requests, outputs, seconds, CPU seconds)
+FrontEndRecord = tuple[int, int, float, float]
 
 
 def _solve(rows: list[list[float]], ys: list[float], active: list[int]) -> list[float]:
@@ -121,12 +136,7 @@ def fit_step_time(steps: Iterable[StepRecord]) -> StepTimeModel:
     sb, sc = 64.0, 65536.0
     rows = [[1.0, b / sb, c / sc] for b, c, _ in decode]
     ys = [s for _, _, s in decode]
-    active = [0, 1, 2]
-    coef = _solve(rows, ys, active)
-    while any(coef[i] < 0.0 for i in active) and len(active) > 1:
-        worst = min(active, key=lambda i: coef[i])
-        active.remove(worst)
-        coef = _solve(rows, ys, active)
+    coef = _nonnegative_fit(rows, ys)
     fixed = max(0.0, coef[0])
     per_seq = max(0.0, coef[1] / sb)
     per_ctx = max(0.0, coef[2] / sc)
@@ -141,6 +151,51 @@ def fit_step_time(steps: Iterable[StepRecord]) -> StepTimeModel:
     return StepTimeModel(
         fixed_s=fixed, per_seq_s=per_seq, per_context_token_s=per_ctx, prefill_per_token_s=per_token
     )
+
+
+def _nonnegative_fit(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares over three columns with every coefficient >= 0 (an active set: the most
+    negative one is fixed at 0 and the others refitted)."""
+    active = [0, 1, 2]
+    coef = _solve(rows, ys, active)
+    while any(coef[i] < 0.0 for i in active) and len(active) > 1:
+        active.remove(min(active, key=lambda i: coef[i]))
+        coef = _solve(rows, ys, active)
+    return [max(0.0, c) for c in coef]
+
+
+def fit_front_end(stretches: Iterable[FrontEndRecord]) -> tuple[FrontEndModel, float]:
+    """The front end that fits ``stretches`` best, and its idle CPU per second (module
+    docstring). Raises InvalidInput without two stretches that did any work."""
+    rows: list[list[float]] = []
+    ys: list[float] = []
+    for requests, outputs, seconds, cpu in stretches:
+        for name, v in (("requests", requests), ("outputs", outputs), ("seconds", seconds),
+                        ("cpu_seconds", cpu)):
+            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+                raise InvalidInput(name, v, "a finite number >= 0")
+        if requests or outputs:
+            # scaled (requests ~ 100, outputs ~ 10,000, seconds ~ 10) to keep the system sane
+            rows.append([requests / 100.0, outputs / 10_000.0, seconds / 10.0])
+            ys.append(cpu)
+    if len(rows) < 2:
+        raise InvalidInput("stretches", len(rows), "at least two stretches with requests")
+    per_request, per_output, idle = _nonnegative_fit(rows, ys)
+    return (
+        FrontEndModel(per_request_s=per_request / 100.0, per_output_s=per_output / 10_000.0),
+        idle / 10.0,
+    )
+
+
+def _front_end(value: Any) -> FrontEndModel | None:
+    if value is None or isinstance(value, FrontEndModel):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return FrontEndModel(**value)
+        except TypeError as exc:
+            raise InvalidInput("front_end", value, "per_request_s, per_output_s") from exc
+    raise InvalidInput("front_end", value, "a FrontEndModel, a mapping of its fields or None")
 
 
 def _step(value: Any) -> StepTimeModel:
@@ -171,6 +226,8 @@ class EngineProfile:
     abort_latency_s: float = attrs.field(validator=nonnegative())
     #: how many engine steps the fit saw (0: not fitted, figures taken from the source)
     observed_steps: int = attrs.field(default=0, validator=integer(0))
+    #: the server process in front of the engine (:func:`fit_front_end`); None: not modelled
+    front_end: FrontEndModel | None = attrs.field(default=None, converter=_front_end)
 
     def engine_model(self, tick_s: float = DEFAULT_TICK_S) -> EngineModel:
         """The simulator's engine for this profile."""
@@ -181,11 +238,16 @@ class EngineProfile:
             max_batch=self.max_batch,
             prefill_chunk_tokens=self.prefill_chunk_tokens,
             tick_s=tick_s,
+            front_end=self.front_end,
         )
 
     def to_dict(self) -> dict[str, Any]:
         out = attrs.asdict(self, recurse=False)
         out["step"] = attrs.asdict(self.step)
+        if self.front_end is None:
+            del out["front_end"]  # (files written before front ends were modelled match)
+        else:
+            out["front_end"] = self.front_end.to_dict()
         return out
 
     @classmethod
@@ -259,8 +321,10 @@ def fit_profile(
 __all__ = [
     "PROFILES_DIR",
     "EngineProfile",
+    "FrontEndRecord",
     "StepRecord",
     "StepRecorder",
+    "fit_front_end",
     "fit_profile",
     "fit_step_time",
     "shipped_profiles",
