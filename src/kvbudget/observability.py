@@ -242,7 +242,7 @@ class KvbudgetLogger:
 
     def debug(self, event: str, **fields: Any) -> None:
         if structlog.is_configured():  # (unconfigured: the quiet logger would drop it, but
-            # only after structlog's lazy proxy bound a new logger, about 10 us)
+            # only after structlog's lazy proxy bound a new logger: 2.4 us against 0.2 us)
             self._target().debug(event, **fields)
 
     def info(self, event: str, **fields: Any) -> None:
