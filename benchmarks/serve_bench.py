@@ -353,9 +353,11 @@ class ServerSpec:
         return self.kind in ("kvbudget", "kvbudget-serve")
 
     def argv(
-        self, model_dir: Path, port: int, policy: str, example_args: Sequence[str] = ()
+        self, model_dir: Path, port: int, policy: str, example_args: Sequence[str] = (),
+        vllm_args: Sequence[str] = (),
     ) -> list[str]:
-        """The server's command line (``example_args``: appended to the example's)."""
+        """The server's command line (``example_args``: appended to the example's;
+        ``vllm_args``: to vLLM's own server's)."""
         py = sys.executable
         if self.kind == "vllm":
             cmd = [
@@ -367,7 +369,7 @@ class ServerSpec:
             ]
             if self.queue_cap is not None:
                 cmd += ["--max-num-queued-reqs", str(self.queue_cap)]
-            return cmd
+            return [*cmd, *vllm_args]
         if self.kind == "kvbudget-serve":
             return [
                 py, "-m", "kvbudget.cli", "serve", str(model_dir), "--dtype", "float32",
@@ -1531,6 +1533,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--example-arg", action="append", default=[], metavar="ARG",
                    help="one more argument of the example server (repeatable; e.g. "
                         "--example-arg=--turn-away-wait-quantile --example-arg=off)")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument of vLLM's own server (repeatable; e.g. "
+                        "--vllm-arg=--disable-log-stats)")
     p.add_argument("--bench-arg", action="append", default=[], metavar="ARG",
                    help="one more vLLM bench argument for every vllm-bench workload, after its "
                         "own (repeatable; a held-out variant, e.g. "
@@ -1601,7 +1606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with output_dir(opts.out) as out_dir:
         for index, spec in enumerate(specs):
             port = opts.port + index
-            argv_ = spec.argv(opts.model, port, opts.policy, opts.example_arg)
+            argv_ = spec.argv(opts.model, port, opts.policy, opts.example_arg, opts.vllm_arg)
             log_path = out_dir / f"server-{spec.name}.log"
             meta: dict[str, Any] = {"argv": argv_[1:], "port": port}
             servers_meta[spec.name] = meta
