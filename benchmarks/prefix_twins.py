@@ -3,14 +3,15 @@
     PYTHONPATH=src:tests .venv/bin/python benchmarks/prefix_twins.py [--repeat 3] \
         [--requests 48] [--prefix 640] [--own 5] [--out 40] [--blocks 129]
 
-Issue 12's case: ``--requests`` requests submitted at once, each a shared ``--prefix``-token
-prefix (fresh random tokens per run, so no run finds another's blocks cached) plus ``--own``
-tokens of its own, ``--out`` greedy output tokens with ``ignore_eos``, on the tiny CPU model
-(``--blocks`` KV blocks of 32 tokens, 128 usable). One engine; each repeat runs bare
-``AsyncLLM.generate`` and the same engine behind :class:`kvbudget.vllm.BudgetedEngine`, side by
-side, the one or the other first in turn. Prints per run the wall time, TTFT p50, the front-end
-process's CPU time, vLLM's own preemptions, the peak of requests running at once and the peak
-KV usage; then the ratios of
+Issue 12's case: ``--requests`` requests submitted at once, each a shared ``--prefix``-token prefix
+(fresh random tokens per run, so no run finds another's blocks cached) plus ``--own`` tokens of its
+own, ``--out`` greedy output tokens with ``ignore_eos``, on the tiny CPU model (``--blocks`` KV
+blocks of 32 tokens, 128 usable). One engine; each repeat runs bare ``AsyncLLM.generate`` and the
+same engine behind :class:`kvbudget.vllm.BudgetedEngine`, side by side, the one or the other first
+in turn; a fresh ``BudgetedEngine`` per run (it probes the engine's prefill with 8 requests when
+entered), or with ``--shared-budget`` one for every run, entered once before the first, as a server
+keeps one. Prints per run the wall time, TTFT p50, the front-end process's CPU time, vLLM's own
+preemptions, the peak of requests running at once and the peak KV usage; then the ratios of
 kvbudget's wall time and front-end CPU to bare vLLM's (median and spread over the repeats). Last
 line: one JSON object with every figure.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -104,7 +106,11 @@ async def _main(ns: argparse.Namespace) -> dict[str, Any]:
     # queue without a bound: this measures how many run at once, not who is turned away
     classes = [ServiceClass("interactive", priority=0, protected=True, preemptible=False)]
     runs: list[dict[str, Any]] = []
+    shared: Any = None
     try:
+        if ns.shared_budget:
+            shared = BudgetedEngine(engine, stats=stats, classes=classes)
+            await shared.__aenter__()
         # warm-up (first steps of a fresh engine are slow)
         await _wave(engine.generate, [[rng.randrange(100, 1000) for _ in range(64)]], sp, "w")
         for rep in range(ns.repeat):
@@ -122,8 +128,10 @@ async def _main(ns: argparse.Namespace) -> dict[str, Any]:
                     if server == "vllm":
                         fig = await _wave(engine.generate, prompts, sp, f"v{rep}")
                     else:
-                        be = BudgetedEngine(engine, stats=stats, classes=classes)
-                        async with be:
+                        be = shared or BudgetedEngine(engine, stats=stats, classes=classes)
+                        async with contextlib.AsyncExitStack() as stack:
+                            if shared is None:
+                                await stack.enter_async_context(be)
                             fig = await _wave(be.generate, prompts, sp, f"k{rep}")
                             snap = be.snapshot()
                             fig["prefix_shared_blocks"] = snap.totals.prefix_shared_blocks
@@ -150,6 +158,8 @@ async def _main(ns: argparse.Namespace) -> dict[str, Any]:
             row["cpu_ratio"] = row["kvbudget"]["frontend_cpu_s"] / row["vllm"]["frontend_cpu_s"]
             runs.append(row)
     finally:
+        if shared is not None:
+            await shared.__aexit__(None, None, None)
         engine.shutdown()
     ratios = [r["ratio"] for r in runs]
     cpu = [r["cpu_ratio"] for r in runs]
@@ -178,6 +188,8 @@ def main() -> None:
     p.add_argument("--out", type=int, default=40)
     p.add_argument("--blocks", type=int, default=129)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shared-budget", action="store_true",
+                   help="one BudgetedEngine for every run (as a server keeps one), not one per run")
     ns = p.parse_args()
     out = asyncio.run(_main(ns))
     print(json.dumps(out))

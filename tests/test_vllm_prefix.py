@@ -165,6 +165,8 @@ def test_twins_run_together_and_share_their_prefix(env: _Env) -> None:
     assert snap.totals.prefix_mismatches == 0 and be.prefix_mismatches == 0
     assert snap.completed == 24 and snap.totals.failed == 0
     assert snap.reserved_blocks == 0 and snap.shared_prefix_blocks == 0
+    # closed, the budget no longer hears the shared stats object's steps (nor is kept by it)
+    assert env.stats.on_step is None
 
 
 def test_a_different_cache_salt_shares_nothing(env: _Env) -> None:

@@ -194,6 +194,10 @@ def engine_in_own_loop(engine_args: Any) -> Iterator[tuple[asyncio.AbstractEvent
         yield loop, engine, stats
     finally:
         engine.shutdown()
+        # shut down once: AsyncLLM.__del__ shuts down again, and when the engine is only
+        # collected at interpreter exit vLLM's module globals are gone by then ("Exception
+        # ignored ... 'NoneType' object is not callable")
+        engine.shutdown = lambda *args, **kwargs: None
         loop.run_until_complete(asyncio.sleep(0))
         loop.close()
 

@@ -1208,6 +1208,7 @@ class BudgetedEngine:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def __aenter__(self) -> BudgetedEngine:
+        self.stats.on_step = self._observe_step  # (again, if re-entered)
         await self.budget.__aenter__()
         tg = anyio.create_task_group()
         await tg.__aenter__()
@@ -1269,6 +1270,10 @@ class BudgetedEngine:
             return await self.budget.__aexit__(exc_type, exc, tb)
         finally:
             self._entered = False
+            if self.stats.on_step == self._observe_step:
+                # a stats object shared with the engine's other users stops feeding this
+                # budget (and keeping it alive) once it is closed
+                self.stats.on_step = None
             if self.owns_engine:
                 self.shutdown()
 
