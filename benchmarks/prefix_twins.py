@@ -126,7 +126,12 @@ async def _main(ns: argparse.Namespace) -> dict[str, Any]:
                 peak = _Peak(stats)
                 try:
                     if server == "vllm":
-                        fig = await _wave(engine.generate, prompts, sp, f"v{rep}")
+                        # (bare vLLM's steps do not feed a budget, shared or not)
+                        hook, stats.on_step = stats.on_step, None
+                        try:
+                            fig = await _wave(engine.generate, prompts, sp, f"v{rep}")
+                        finally:
+                            stats.on_step = hook
                     else:
                         be = shared or BudgetedEngine(engine, stats=stats, classes=classes)
                         async with contextlib.AsyncExitStack() as stack:
