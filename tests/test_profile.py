@@ -149,6 +149,7 @@ def test_simulate_reads_an_engine_profile(tmp_path: pathlib.Path) -> None:
         "simulate", "--engine-profile", str(path), "--policy", "calibrated", "--limit", "60",
         "--quiet", "--json", str(out),
     ])
+    plain_ttft = json.loads(out.read_text())["policies"]["calibrated"]["ttft_p50_s"]
     engine = json.loads(out.read_text())["engine"]
     assert engine["capacity_blocks"] == 300 and engine["max_batch"] == 32
     assert engine["step_fixed_s"] == pytest.approx(prof.step.fixed_s)
@@ -158,6 +159,22 @@ def test_simulate_reads_an_engine_profile(tmp_path: pathlib.Path) -> None:
         "calibrated", "--limit", "60", "--quiet", "--json", str(out),
     ])
     assert json.loads(out.read_text())["engine"]["capacity_blocks"] == 500
+    assert json.loads(out.read_text())["engine"]["front_end"] is None
+    # a profile's front end reaches the simulated engine (and its first tokens come later)
+    from kvbudget.sim.engine_model import FrontEndModel
+
+    fe = FrontEndModel(per_request_s=0.05, per_output_s=0.001)
+    with_fe = EngineProfile.from_dict({**prof.to_dict(), "front_end": fe.to_dict()})
+    with_fe.save(path)
+    fronted = tmp_path / "f.json"
+    main([
+        "simulate", "--engine-profile", str(path), "--policy", "calibrated", "--limit", "60",
+        "--quiet", "--json", str(fronted),
+    ])
+    assert json.loads(fronted.read_text())["engine"]["front_end"] == fe.to_dict()
+    assert json.loads(fronted.read_text())["policies"]["calibrated"]["ttft_p50_s"] > (
+        plain_ttft + fe.per_request_s
+    )
 
 
 # The GPU profile, vllm-l4-qwen2.5-0.5b, against the measurement it was fitted from: vLLM 0.23.0

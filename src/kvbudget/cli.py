@@ -389,6 +389,7 @@ def _engine_from(args: argparse.Namespace) -> Any:
         max_batch=given(args.max_batch, base.max_batch),
         prefill_chunk_tokens=given(args.prefill_chunk, base.prefill_chunk_tokens),
         prefix_caching=base.prefix_caching and not args.no_prefix_cache,
+        front_end=base.front_end,
     )
 
 
