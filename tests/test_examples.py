@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -44,10 +45,32 @@ HOLD_LEN = 690  # with its prompt, 22 of the 23 blocks while it runs (the most o
 SERVER_NICE = 10  # the servers' niceness, process and session (ServerProcess)
 
 
+#: ports handed out by _free_port in this process (a test module asks for several at once)
+_PORTS_GIVEN: set[int] = set()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port that is free now, below the kernel's ephemeral range. A port the kernel
+    hands out (``bind(0)``) is ephemeral: between this call and the server's bind, ~30 s later,
+    any process may be given it for an outgoing connection or a socket of its own (vLLM's engine
+    processes open several while the other server starts), and the server then cannot bind."""
+    low = 20_000
+    with contextlib.suppress(OSError, ValueError):
+        text = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        low = min(low, int(text[0]) - 1000)
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 10_000), low)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 class ServerProcess:
