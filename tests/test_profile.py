@@ -330,6 +330,10 @@ def test_the_front_end_fit_recovers_known_costs_and_sets_idle_aside() -> None:
         fit_front_end([*stretches, (10, 100, float("nan"), 1.0)])
     with pytest.raises(InvalidInput):
         fit_front_end([*stretches, (10, -1, 1.0, 1.0)])
+    with pytest.raises(InvalidInput):
+        fit_front_end([*stretches, (10, 100, 1.0)])
+    with pytest.raises(InvalidInput):
+        fit_front_end([*stretches, (10, True, 1.0, 1.0)])
 
 
 def test_a_profile_with_a_front_end_round_trips_and_old_files_still_load(

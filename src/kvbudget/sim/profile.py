@@ -53,7 +53,7 @@ from kvbudget.core.cost import StepTimeModel
 from kvbudget.core.model import Capacity
 from kvbudget.errors import InvalidInput
 from kvbudget.sim.engine_model import DEFAULT_TICK_S, EngineModel, FrontEndModel
-from kvbudget.validate import check_int, integer, nonnegative, text
+from kvbudget.validate import check_float, check_int, integer, nonnegative, text
 
 #: one observed engine step: (batch size, context tokens, prefill tokens, seconds)
 StepRecord = tuple[int, int, int, float]
@@ -137,9 +137,7 @@ def fit_step_time(steps: Iterable[StepRecord]) -> StepTimeModel:
     rows = [[1.0, b / sb, c / sc] for b, c, _ in decode]
     ys = [s for _, _, s in decode]
     coef = _nonnegative_fit(rows, ys)
-    fixed = max(0.0, coef[0])
-    per_seq = max(0.0, coef[1] / sb)
-    per_ctx = max(0.0, coef[2] / sc)
+    fixed, per_seq, per_ctx = coef[0], coef[1] / sb, coef[2] / sc
     num = den = 0.0
     for batch, context, tokens, seconds in prefill:
         rest = seconds - (
@@ -169,11 +167,13 @@ def fit_front_end(stretches: Iterable[FrontEndRecord]) -> tuple[FrontEndModel, f
     docstring). Raises InvalidInput without two stretches that did any work."""
     rows: list[list[float]] = []
     ys: list[float] = []
-    for requests, outputs, seconds, cpu in stretches:
-        for name, v in (("requests", requests), ("outputs", outputs), ("seconds", seconds),
-                        ("cpu_seconds", cpu)):
-            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
-                raise InvalidInput(name, v, "a finite number >= 0")
+    names = ("requests", "outputs", "seconds", "cpu_seconds")
+    for stretch in stretches:
+        if not isinstance(stretch, tuple | list) or len(stretch) != len(names):
+            raise InvalidInput("stretch", stretch, "(requests, outputs, seconds, cpu_seconds)")
+        requests, outputs, seconds, cpu = (
+            check_float(n, v) for n, v in zip(names, stretch, strict=True)
+        )
         if requests or outputs:
             # scaled (requests ~ 100, outputs ~ 10,000, seconds ~ 10) to keep the system sane
             rows.append([requests / 100.0, outputs / 10_000.0, seconds / 10.0])
