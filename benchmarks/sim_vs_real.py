@@ -147,15 +147,17 @@ COUNTS = ("good", "late", "rejected", "failed", "abandoned")
 
 #: what the simulator does not model, printed with every comparison
 NOTES = (
-    "the engine is the fitted step-time profile, i.e. vLLM's execute_model time per step "
-    "(iteration_details.elapsed_ms): the scheduler, output processing, HTTP streaming and "
-    "detokenization around each step are not in it, nor the CPU contention between the "
-    "client, the API server, the engine core and other users' jobs on this 2-core machine; the "
-    "engine's speed therefore varies from run to run (see the speed check); where the client's "
-    "stalls were recorded, the engine is taken to run at --stall-speed in them, one figure for "
-    "every stall (fitted, not measured)",
-    "the kvbudget example's own per-token overhead (FastAPI, the adapter's detokenizer, the "
-    "budget's event loop) is not in the profile, which was fitted from vLLM's engine steps",
+    "the engine is a fitted step-time profile (--engine-profile; by default the one the kvbudget "
+    "example fitted from its own engine steps over the run, timed whole: from one step's stats "
+    "to the next as its front end received them), the same for both servers: vLLM's server is "
+    "taken to run the engine at the pace the example saw, its own API server's work around "
+    "each step and its CPU contention with the engine core, the client and other jobs on this "
+    "2-core machine included only as far as the example's were; the engine's speed varies from "
+    "run to run (see the speed check); where the client's stalls were recorded, the engine is "
+    "taken to run at --stall-speed in them, one figure for every stall (fitted, not measured)",
+    "the servers' front ends are not modelled unless --front-end run (measured here at 18-40 % "
+    "of a core, their queue moves no cell); a front end's fixed latency per request (parsing, "
+    "tokenizing, the first SSE chunk: tens of ms) is not in the simulated TTFT",
     "prompt lengths are vLLM's sampled lengths plus the BOS; the few tokens its decode/re-encode "
     "adds or drops are not modelled (the translation check counts them when records are given)",
     "abandon: a client leaves exactly when its k-th token is generated; a real client reads "
