@@ -109,8 +109,9 @@ async def _main(ns: argparse.Namespace) -> dict[str, Any]:
     shared: Any = None
     try:
         if ns.shared_budget:
-            shared = BudgetedEngine(engine, stats=stats, classes=classes)
-            await shared.__aenter__()
+            budget = BudgetedEngine(engine, stats=stats, classes=classes)
+            await budget.__aenter__()
+            shared = budget  # (entered: the finally below closes it)
         # warm-up (first steps of a fresh engine are slow)
         await _wave(engine.generate, [[rng.randrange(100, 1000) for _ in range(64)]], sp, "w")
         for rep in range(ns.repeat):

@@ -135,7 +135,9 @@ def test_twins_run_together_and_share_their_prefix(env: _Env) -> None:
 
     async def go() -> tuple[list[Any], Any, int, _Peak, Any]:
         be = env.budgeted()
+        assert env.stats.on_step is None  # made, not entered: the shared stats are not taken
         async with be:
+            assert env.stats.on_step == be._observe_step
             peak = _Peak(env, be)
             before = env.stats.preemptions
             try:

@@ -1064,7 +1064,6 @@ class BudgetedEngine:
             engine=None,
             names=names,
         )
-        self.stats.on_step = self._observe_step
         #: the engine's recent steps as measured (for :meth:`engine_profile`)
         self.steps = StepRecorder()
         self.prefill_chunk_tokens = chunk
@@ -1208,7 +1207,9 @@ class BudgetedEngine:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def __aenter__(self) -> BudgetedEngine:
-        self.stats.on_step = self._observe_step  # (again, if re-entered)
+        # the stats feed this budget while it is open (on exit it lets go: a stats object
+        # shared with the engine's other users is not taken by a budget made but not entered)
+        self.stats.on_step = self._observe_step
         await self.budget.__aenter__()
         tg = anyio.create_task_group()
         await tg.__aenter__()
