@@ -64,6 +64,22 @@ good / late / rejected are predicted from them. As in the real run, one server p
 workloads one after the other, so the budget's length and step-cost models are carried from one
 workload to the next in serve_bench's order.
 
+vLLM's server's pace (``--pace run``, the default where the run's records are at hand). Nothing
+in the run times the steps of vLLM's own server's engine, and the example's profile is its own
+engine's pace over the whole run; on this 2-core machine the same server ran the same workload
+20-30 % slower in one repeat than in the next (its streams' mean gap between tokens 9.6 against
+11.6 ms, and 145 against 112 good), and vLLM's server ran 8-33 % slower than the example's
+profile in one run and 10-17 % faster in another. So each of vLLM's cells is simulated at the
+pace of its own repeat's streams: every step time (and the abort latency) scaled by one factor,
+found by simulating (:func:`paced_simulation`: ``scale *= real gap / simulated gap`` until they
+agree within 2 %), where the gap is the mean time between consecutive tokens over the repeat's
+completed streams (:func:`real_stream_gap`, what vLLM's inter-token latency histogram averages:
+decode steps, the prefills mixed into them and preempted requests' waits). The shape of the
+step time stays the profile's; what is still predicted is who waits and how long: good, late,
+rejected, TTFT. The example is not paced: its profile is its own engine's steps (its gaps hold
+its own pauses, which are the policy's doing, not the engine's pace). ``--pace none`` runs both
+at the profile's pace.
+
 The servers' front ends (``--front-end run``; off by default). serve_bench counts the CPU time
 of each server's front-end process over each workload; :func:`front_ends_of` fits each server's
 cost per request and per streamed output from those counts
@@ -98,6 +114,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import json
 import math
 import os
@@ -105,10 +122,10 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import numpy as np
@@ -121,14 +138,16 @@ for _p in (str(ROOT / "src"), str(HERE)):
 
 import serve_bench as sb  # noqa: E402
 
-from kvbudget.core.cost import CostModel  # noqa: E402
+from kvbudget.core.cost import CostModel, StepTimeModel  # noqa: E402
 from kvbudget.core.lengths import LengthModel  # noqa: E402
 from kvbudget.sim.driver import simulate  # noqa: E402
-from kvbudget.sim.engine_model import FrontEndModel  # noqa: E402
+from kvbudget.sim.engine_model import EngineModel, FrontEndModel  # noqa: E402
 from kvbudget.sim.profile import EngineProfile, FrontEndRecord, fit_front_end  # noqa: E402
 from kvbudget.sim.report import RequestRecord  # noqa: E402
 from kvbudget.sim.scenario import Scenario, SimRequest, apply_scenario  # noqa: E402
 from kvbudget.sim.workload import TraceRequest, Workload  # noqa: E402
+
+_T = TypeVar("_T")
 
 SERVERS = ("vllm", "kvbudget")
 #: the engine's speed while the client was stalled (``--stall-speed``): fitted on one run
@@ -149,12 +168,15 @@ COUNTS = ("good", "late", "rejected", "failed", "abandoned")
 NOTES = (
     "the engine is a fitted step-time profile (--engine-profile; by default the one the kvbudget "
     "example fitted from its own engine steps over the run, timed whole: from one step's stats "
-    "to the next as its front end received them), the same for both servers: vLLM's server is "
-    "taken to run the engine at the pace the example saw, its own API server's work around "
-    "each step and its CPU contention with the engine core, the client and other jobs on this "
-    "2-core machine included only as far as the example's were; the engine's speed varies from "
-    "run to run (see the speed check); where the client's stalls were recorded, the engine is "
-    "taken to run at --stall-speed in them, one figure for every stall (fitted, not measured)",
+    "to the next as its front end received them), the same shape for both servers; with "
+    "--pace run (the default where the run's records are at hand) vLLM's server runs it at the "
+    "pace its own streams show in each repeat (every step time scaled by one factor until the "
+    "simulated streams' mean gap between tokens is the real one's): its API server's work "
+    "around each step, its CPU contention with the engine core and the machine's speed in its "
+    "stretch come in as that one factor, not as their own shapes; the example's engine runs at "
+    "its profile's pace over the whole run, not per repeat; where the client's stalls were "
+    "recorded, the engine is taken to run at --stall-speed in them, one figure for every stall "
+    "(fitted, not measured)",
     "the servers' front ends are not modelled unless --front-end run (measured here at 18-40 % "
     "of a core, their queue moves no cell); a front end's fixed latency per request (parsing, "
     "tokenizing, the first SSE chunk: tens of ms) is not in the simulated TTFT",
@@ -484,6 +506,7 @@ def simulate_workloads(
     replay: Replay | None = None,
     stall_speed: float = STALL_SPEED,
     front_ends: Mapping[str, FrontEndModel] | None = None,
+    paced: Collection[str] = (),
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``{workload: {server: summary}}`` of the simulated runs, workloads in serve_bench's order,
     each server's budget models carried from one workload to the next (module docstring).
@@ -494,7 +517,9 @@ def simulate_workloads(
     came while it was stalled is read when the stall ends); in the client's stalls the engine
     runs at ``stall_speed`` of its speed (a fitted figure, module docstring). ``front_ends``:
     each server's front-end process (:func:`front_ends_of`); a server without one gets its
-    tokens as the engine makes them."""
+    tokens as the engine makes them. ``paced``: servers whose engine runs at the pace the
+    replayed run's own streams show (:func:`paced_simulation`; ``--pace run``), not the
+    profile's; each such summary says its ``step_scale``."""
     send_times = replay.send_times if replay is not None else {}
     engine = profile.engine_model()
     engines = {
@@ -513,13 +538,33 @@ def simulate_workloads(
             scenario, reqs = (
                 planned if not sent else sim_requests(with_send_times(plan, sent))
             )
-            lengths, cost = carried[server]
             stalls = replay.stalls.get(name, {}).get(server, ()) if replay is not None else ()
-            result = simulate(
-                reqs, scenario, engines[server], policies[server], seed=seed, keep_requests=True,
-                lengths=lengths, cost=cost, stalls=stalls, stall_speed=stall_speed,
-            )
-            summary = summarize_sim(result.request_records, ClientView(stalls))
+            client = ClientView(stalls)
+
+            def run_at(
+                step_scale: float, server: str = server, scenario: Scenario = scenario,
+                reqs: Sequence[SimRequest] = reqs, stalls: Any = stalls,
+            ) -> tuple[Any, tuple[LengthModel, CostModel]]:
+                # every trial starts from the models carried so far, and only the run kept
+                # carries its own on to the next workload
+                lengths, cost = copy.deepcopy(carried[server])
+                engine = engines[server] if step_scale == 1.0 else scaled_engine(
+                    engines[server], step_scale
+                )
+                result = simulate(
+                    reqs, scenario, engine, policies[server], seed=seed,
+                    keep_requests=True, lengths=lengths, cost=cost, stalls=stalls,
+                    stall_speed=stall_speed,
+                )
+                return result, (lengths, cost)
+
+            target = replay.gaps.get(name, {}).get(server) if replay is not None else None
+            if server in paced and target is not None:
+                (result, carried[server]), step_scale = paced_simulation(run_at, target, client)
+            else:
+                (result, carried[server]), step_scale = run_at(1.0), 1.0
+            summary = summarize_sim(result.request_records, client)
+            summary["step_scale"] = round(step_scale, 3)
             summary["policy"] = result.policy
             summary["engine_preemptions"] = result.preemptions
             summary["rejections_by_reason"] = dict(result.rejections_by_reason)
@@ -527,6 +572,87 @@ def simulate_workloads(
             per[server] = summary
         out[name] = per
     return out
+
+
+#: ``--pace``'s default, and the servers it paces: vLLM's own server, whose engine's steps
+#: nothing in the run times (the example's profile is its own engine's steps)
+PACE_DEFAULT = "run"
+PACED_SERVERS = ("vllm",)
+#: ``--pace run``: the engine's step times are scaled until the simulated streams' mean gap
+#: between tokens is within this share of the real run's, in at most PACE_TRIALS simulations,
+#: the scale kept within PACE_BOUNDS
+PACE_TOLERANCE = 0.02
+PACE_TRIALS = 5
+PACE_BOUNDS = (0.5, 2.0)
+
+
+def mean_gap(streams: Sequence[tuple[int, float]]) -> float | None:
+    """The mean gap between consecutive tokens over ``streams`` (``(tokens, seconds from the
+    first token to the last)`` each), every gap weighted alike: what vLLM's inter-token latency
+    histogram would average. None without a stream of two tokens or more."""
+    gaps = sum(n - 1 for n, _ in streams if n >= 2)
+    if gaps <= 0:
+        return None
+    return sum(span for n, span in streams if n >= 2) / gaps
+
+
+def real_stream_gap(recs: Sequence[Mapping[str, Any]]) -> float | None:
+    """:func:`mean_gap` of one real run's completed streams (good or late), as the client
+    timed them."""
+    return mean_gap([
+        (int(r["output_tokens"]), float(r["latency"]) - float(r["ttft"]))
+        for r in recs
+        if r.get("outcome") in ("good", "late") and r.get("output_tokens")
+        and r.get("latency") is not None and r.get("ttft") is not None
+    ])
+
+
+def sim_stream_gap(records: Sequence[RequestRecord], client: ClientView) -> float | None:
+    """:func:`mean_gap` of a simulated run's completed streams (good or late), as ``client``
+    times them."""
+    streams = []
+    for rec in records:
+        if classify_sim(rec, client) in ("good", "late"):
+            _ttft, tpot = client.timing(rec)
+            if tpot is not None:
+                streams.append((rec.output_tokens, tpot * max(rec.output_tokens - 1, 0)))
+    return mean_gap(streams)
+
+
+def scaled_engine(engine: EngineModel, factor: float) -> EngineModel:
+    """``engine`` with every step-time figure (and the abort latency) times ``factor``."""
+    return attrs.evolve(
+        engine, step=scaled_step(engine.step, factor),
+        abort_latency_s=engine.abort_latency_s * factor,
+    )
+
+
+def paced_simulation(
+    run_at: Callable[[float], tuple[Any, _T]], target_gap: float, client: ClientView
+) -> tuple[tuple[Any, _T], float]:
+    """``run_at(scale)``'s result at the step-time scale whose simulated streams have the real
+    run's mean gap between tokens (``target_gap``, :func:`real_stream_gap`), and that scale.
+
+    The engine's pace in a server's own stretch of the run, read from its streams: on this
+    machine the same server on the same workload ran 20-25 % slower in one repeat than in the
+    next, which no profile fitted elsewhere predicts. The gap is an average over the whole run
+    (decode steps, prefills mixed in, a preempted request's wait), so the scale is found by
+    simulating (the gap grows about in proportion to the scale): ``scale *= real / simulated``
+    until they agree within :data:`PACE_TOLERANCE`, at most :data:`PACE_TRIALS` runs, within
+    :data:`PACE_BOUNDS`. What is predicted is still good / late / rejected: which requests wait
+    and for how long, from the engine's pace."""
+    scale = 1.0
+    for trial in range(PACE_TRIALS):
+        out = run_at(scale)
+        gap = sim_stream_gap(out[0].request_records, client)
+        if gap is None or gap <= 0 or trial == PACE_TRIALS - 1:
+            return out, scale
+        ratio = target_gap / gap
+        nxt = min(max(scale * ratio, PACE_BOUNDS[0]), PACE_BOUNDS[1])
+        if abs(ratio - 1.0) <= PACE_TOLERANCE or nxt == scale:
+            return out, scale
+        scale = nxt
+    raise AssertionError("unreachable")
 
 
 def with_send_times(plan: Sequence[Planned], sent: Mapping[int, float]) -> list[Planned]:
@@ -616,6 +742,8 @@ class Replay:
 
     send_times: dict[str, dict[str, dict[int, float]]]
     stalls: dict[str, dict[str, list[tuple[float, float]]]]
+    #: the mean gap between tokens of the run's completed streams (:func:`real_stream_gap`)
+    gaps: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def load_replays(path: Path) -> list[Replay]:
@@ -627,6 +755,7 @@ def load_replays(path: Path) -> list[Replay]:
     for k in range(count):
         sent: dict[str, dict[str, dict[int, float]]] = {}
         stalls: dict[str, dict[str, list[tuple[float, float]]]] = {}
+        gaps: dict[str, dict[str, float]] = {}
         for (workload, server), reps in runs.items():
             run = reps[min(k, len(reps) - 1)]
             recs = run.get("records") or []
@@ -637,7 +766,10 @@ def load_replays(path: Path) -> list[Replay]:
             stalls.setdefault(workload, {})[server] = [
                 (a - t0, d) for a, d in run.get("client_stalls") or ()
             ]
-        replays.append(Replay(sent, stalls))
+            gap = real_stream_gap(recs)
+            if gap is not None:
+                gaps.setdefault(workload, {})[server] = gap
+        replays.append(Replay(sent, stalls, gaps))
     return replays
 
 
@@ -777,6 +909,9 @@ def median_of_runs(
             merged = dict(summary)
             for key in COUNTS:
                 merged[key] = _median([sim[workload][server][key] for sim in sims])
+            scales = [sim[workload][server].get("step_scale") for sim in sims]
+            if None not in scales:
+                merged["step_scale"] = _median([float(x) for x in scales if x is not None])
             merged["runs"] = len(sims)
             out.setdefault(workload, {})[server] = merged
     return out
@@ -900,6 +1035,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "clients get tokens as the engine makes them) or fitted from the real "
                         "run's CPU counts (run, where serve_bench counted them; "
                         "docs/benchmarks.md says why it is not the default)")
+    p.add_argument("--pace", choices=("run", "none"), default=PACE_DEFAULT,
+                   help="vLLM's server's engine: at the pace its own streams show in each "
+                        "replayed run (run: the profile's step times scaled until the simulated "
+                        "streams' mean gap between tokens is the real run's; needs the run's "
+                        "records) or at the profile's (none)"
+                        f" (default {PACE_DEFAULT})")
     p.add_argument("--policy", default="calibrated", help="the kvbudget example's policy")
     p.add_argument("--seed", type=int, default=0, help="serve_bench's dataset seed (default 0)")
     p.add_argument("--num-prompts-scale", type=float, default=1.0)
@@ -922,15 +1063,18 @@ def scaled(profile: EngineProfile, factor: float) -> EngineProfile:
     ``factor``."""
     if factor == 1.0:
         return profile
-    st = profile.step
-    step = attrs.evolve(
-        st, fixed_s=st.fixed_s * factor, per_seq_s=st.per_seq_s * factor,
-        per_context_token_s=st.per_context_token_s * factor,
-        prefill_per_token_s=st.prefill_per_token_s * factor,
-    )
     return attrs.evolve(
-        profile, step=step, abort_latency_s=profile.abort_latency_s * factor,
-        name=f"{profile.name} x{factor:g}",
+        profile, step=scaled_step(profile.step, factor),
+        abort_latency_s=profile.abort_latency_s * factor, name=f"{profile.name} x{factor:g}",
+    )
+
+
+def scaled_step(step: StepTimeModel, factor: float) -> StepTimeModel:
+    """``step`` with every figure times ``factor`` (the same engine, slower or faster)."""
+    return attrs.evolve(
+        step, fixed_s=step.fixed_s * factor, per_seq_s=step.per_seq_s * factor,
+        per_context_token_s=step.per_context_token_s * factor,
+        prefill_per_token_s=step.prefill_per_token_s * factor,
     )
 
 
@@ -1009,11 +1153,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{1e6 * fe.per_output_s:.1f} us per output (idle {100 * idle:.1f} % of a core)",
               file=sys.stderr)
     front_ends = {server: fe for server, (fe, _) in fitted.items()}
+    paced = PACED_SERVERS if opts.pace == "run" and send_times == "real" else ()
     sim = median_of_runs([
         simulate_workloads(
             opts.workloads, profile=profile, policy=opts.policy, seed=opts.seed,
             scale=opts.num_prompts_scale, tok=tok, bench_args=opts.bench_arg, replay=replay,
-            stall_speed=opts.stall_speed, front_ends=front_ends,
+            stall_speed=opts.stall_speed, front_ends=front_ends, paced=paced,
         )
         for replay in replays
     ])
@@ -1032,6 +1177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("# the simulator does not model:")
     for note in NOTES:
         print(f"#  - {note}")
+    for server in paced:
+        scales = ", ".join(
+            f"{w} {sim[w][server]['step_scale']:g}" for w in sim if server in sim[w]
+        )
+        print(f"# {server}'s engine pace from its streams (step-time scale, median of runs): "
+              f"{scales}")
     speed = speed_check(result)
     if speed is not None:
         print(f"# engine speed at light load (abandon, vllm): TPOT p50 real "
@@ -1057,6 +1208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
             "engine_profile": profile.name,
             "step_scale": opts.step_scale,
+            "paced": list(paced),
             "policies": {"vllm": VLLM_POLICY, "kvbudget": opts.policy},
             "seed": opts.seed,
             "num_prompts_scale": opts.num_prompts_scale,

@@ -383,3 +383,68 @@ def test_front_ends_are_fitted_from_the_runs_cpu_counts(
     assert svr.main(["--real", str(tmp_path), "--workload", "burst", "--front-end", "run"]) == 0
     out = _last_json(capsys.readouterr().out)
     assert out["meta"]["front_ends"]["vllm"]["per_output_s"] == pytest.approx(per_output)
+
+
+def test_mean_gap_weighs_every_gap_alike() -> None:
+    """The mean gap between tokens over several streams: (a 3-token stream over 0.2 s and a
+    5-token one over 0.2 s) = 0.4 s / 6 gaps; a one-token stream has no gap."""
+    assert svr.mean_gap([(3, 0.2), (5, 0.2), (1, 0.0)]) == pytest.approx(0.4 / 6)
+    assert svr.mean_gap([(1, 0.0)]) is None and svr.mean_gap([]) is None
+    recs = [
+        {"outcome": "good", "output_tokens": 11, "ttft": 0.5, "latency": 1.5},
+        {"outcome": "late", "output_tokens": 21, "ttft": 3.0, "latency": 5.0},
+        {"outcome": "failed", "output_tokens": 3, "ttft": 0.1, "latency": 9.0},  # not counted
+        {"outcome": "rejected", "output_tokens": 0, "ttft": None, "latency": None},
+    ]
+    assert svr.real_stream_gap(recs) == pytest.approx(3.0 / 30)
+
+
+def test_the_pace_is_found_from_the_streams_gap() -> None:
+    """``--pace run``: the step-time scale at which the simulated streams' mean gap is the real
+    run's. Planted: the gap of the burst simulated with every step 1.3x as long; the search,
+    starting from the profile, finds a scale near 1.3 and returns the run made at it."""
+    profile = svr.EngineProfile.load("vllm-cpu-tiny")
+    scenario, reqs = svr.sim_requests(svr.plan_workload("burst", 0, TOK))
+    client = svr.ClientView()
+
+    def run_at(scale: float) -> tuple[Any, float]:
+        engine = svr.scaled_engine(profile.engine_model(), scale)
+        return svr.simulate(reqs, scenario, engine, "reserve-current", keep_requests=True), scale
+
+    target = svr.sim_stream_gap(run_at(1.3)[0].request_records, client)
+    assert target is not None
+    (result, ran_at), scale = svr.paced_simulation(run_at, target, client)
+    assert ran_at == scale and 1.2 < scale < 1.4
+    gap = svr.sim_stream_gap(result.request_records, client)
+    assert gap == pytest.approx(target, rel=svr.PACE_TOLERANCE)
+    # a gap far outside what any scale gives stops at the bound
+    (_, _), fast = svr.paced_simulation(run_at, target / 100, client)
+    assert fast == svr.PACE_BOUNDS[0]
+
+
+def test_only_vllms_server_is_paced_by_default_and_each_run_says_its_scale(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With the run's records, vLLM's cell is simulated at its streams' pace and says the
+    scale it ran at; the kvbudget example's stays on its own profile (scale 1); ``--pace none``
+    leaves both at 1."""
+    plan = svr.plan_workload("burst", 0, TOK)
+    for server, span in (("vllm", 3.0), ("kvbudget", 30.0)):
+        records = [
+            {"request_id": f"sb-{server}-burst-r0-abc-{p.index}", "start": 10.0,
+             "prompt_len": p.prompt_tokens, "output_len": p.output_tokens, "outcome": "good",
+             "output_tokens": p.output_tokens, "ttft": 0.1, "latency": 0.1 + span}
+            for p in plan
+        ]
+        (tmp_path / f"records-burst-{server}-r0.json").write_text(json.dumps(
+            {"summary": _summary(30, 0), "records": records}
+        ))
+    assert svr.load_replays(tmp_path)[0].gaps["burst"]["vllm"] == pytest.approx(3.0 / 299)
+    assert svr.parse_args([]).pace == "run"
+    for pace, vllm_scaled in (("run", True), ("none", False)):
+        assert svr.main(["--real", str(tmp_path), "--workload", "burst", "--pace", pace]) == 0
+        out = _last_json(capsys.readouterr().out)
+        burst = out["workloads"]["burst"]
+        assert (burst["vllm"]["sim"]["step_scale"] != 1.0) is vllm_scaled
+        assert burst["kvbudget"]["sim"]["step_scale"] == 1.0
+        assert out["meta"]["paced"] == (["vllm"] if vllm_scaled else [])
