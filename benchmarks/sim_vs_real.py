@@ -64,21 +64,21 @@ good / late / rejected are predicted from them. As in the real run, one server p
 workloads one after the other, so the budget's length and step-cost models are carried from one
 workload to the next in serve_bench's order.
 
-vLLM's server's pace (``--pace run``, the default where the run's records are at hand). Nothing
-in the run times the steps of vLLM's own server's engine, and the example's profile is its own
-engine's pace over the whole run; on this 2-core machine the same server ran the same workload
-20-30 % slower in one repeat than in the next (its streams' mean gap between tokens 9.6 against
-11.6 ms, and 145 against 112 good), and vLLM's server ran 8-33 % slower than the example's
-profile in one run and 10-17 % faster in another. So each of vLLM's cells is simulated at the
-pace of its own repeat's streams: every step time (and the abort latency) scaled by one factor,
-found by simulating (:func:`paced_simulation`: ``scale *= real gap / simulated gap`` until they
-agree within 2 %), where the gap is the mean time between consecutive tokens over the repeat's
-completed streams (:func:`real_stream_gap`, what vLLM's inter-token latency histogram averages:
-decode steps, the prefills mixed into them and preempted requests' waits). The shape of the
-step time stays the profile's; what is still predicted is who waits and how long: good, late,
-rejected, TTFT. The example is not paced: its profile is its own engine's steps (its gaps hold
-its own pauses, which are the policy's doing, not the engine's pace). ``--pace none`` runs both
-at the profile's pace.
+vLLM's server's pace (``--pace run``, the default where the run's records are at hand). Nothing in
+the run times the steps of vLLM's own server's engine, and the example's profile is its own engine's
+pace over the whole run; on this 2-core machine the same server ran the same workload 20-30 % slower
+in one repeat than in the next (its streams' mean gap between tokens 9.6 against 11.6 ms, and 145
+against 112 good), and vLLM's server ran up to 52 % slower than the example's profile in two runs
+and 10-17 % faster in another (docs/benchmarks.md: over four runs 9 of 16 vLLM cells missed the
+target at the profile's pace, 4 at their own). So each of vLLM's cells is simulated at the pace of
+its own repeat's streams: every step time (and the abort latency) scaled by one factor, found by
+simulating (:func:`paced_simulation`: ``scale *= real gap / simulated gap`` until they agree within
+2 %), where the gap is the mean time between consecutive tokens over the repeat's completed streams
+(:func:`real_stream_gap`, what vLLM's inter-token latency histogram averages: decode steps, the
+prefills mixed into them and preempted requests' waits). The shape of the step time stays the
+profile's; what is still predicted is who waits and how long: good, late, rejected, TTFT. The
+example is not paced: its profile is its own engine's steps (its gaps hold its own pauses, which are
+the policy's doing, not the engine's pace). ``--pace none`` runs both at the profile's pace.
 
 The servers' front ends (``--front-end run``; off by default). serve_bench counts the CPU time
 of each server's front-end process over each workload; :func:`front_ends_of` fits each server's
