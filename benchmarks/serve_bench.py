@@ -1188,6 +1188,19 @@ def num_prompts(workload: Workload, scale: float) -> int:
     return max(1, round(workload.num_prompts * scale))
 
 
+def requests_sent(result: Mapping[str, Any], n: int) -> int:
+    """How many requests vLLM's benchmark client sent for ``--num-prompts n``: its own count
+    (completed + failed) where its result has one, else ``n``. A dataset may make fewer than
+    ``n``: ``prefix_repetition`` makes ``n // num_prefixes`` prompts per prefix (159 of 160 for
+    3 prefixes). More than ``n`` is an error."""
+    completed, failed = result.get("completed"), result.get("failed")
+    if not isinstance(completed, int) or not isinstance(failed, int):
+        return n
+    if completed + failed > n:
+        raise RuntimeError(f"vLLM's client sent {completed + failed} requests for {n} prompts")
+    return completed + failed
+
+
 def run_vllm_bench(
     base_url: str, workload: Workload, model_dir: Path, n: int, seed: int, prefix: str,
     log: TextIO,
@@ -1219,9 +1232,10 @@ def run_vllm_bench(
     finally:
         gc.unfreeze()  # serve.main freezes the heap
     records = [r for r in RECORDS[first:] if r.request_id.startswith(prefix)]
-    if len(records) != n:
+    sent = requests_sent(result, n)
+    if len(records) != sent:
         raise RuntimeError(
-            f"{len(records)} of {n} requests went through the strict request function"
+            f"{len(records)} of {sent} requests went through the strict request function"
         )
     view = {
         k: result.get(k)

@@ -297,3 +297,13 @@ def test_cpu_seconds_counts_the_front_end_and_its_children_apart(tmp_path: pathl
     finally:
         srv.stop()
     assert srv.cpu_seconds()["frontend_cpu_s"] is None
+
+
+def test_requests_sent_is_what_vllms_client_sent() -> None:
+    """vLLM's prefix_repetition dataset makes n // num_prefixes prompts per prefix (159 of 160
+    for 3 prefixes): the strict request function must have seen what the client sent, not n."""
+    assert sb.requests_sent({"completed": 150, "failed": 9}, 160) == 159
+    assert sb.requests_sent({"completed": 160, "failed": 0}, 160) == 160
+    assert sb.requests_sent({}, 160) == 160  # a result without counts: the number asked
+    with pytest.raises(RuntimeError, match="161 requests for 160"):
+        sb.requests_sent({"completed": 161, "failed": 0}, 160)
