@@ -66,11 +66,11 @@ workload to the next in serve_bench's order.
 
 vLLM's server's pace (``--pace run``, the default where the run's records are at hand). Nothing in
 the run times the steps of vLLM's own server's engine, and the example's profile is its own engine's
-pace over the whole run; on this 2-core machine the same server ran the same workload 20-30 % slower
+pace over the whole run; on this 2-core machine the same server ran the same workload 20-25 % slower
 in one repeat than in the next (its streams' mean gap between tokens 9.6 against 11.6 ms, and 145
 against 112 good), and vLLM's server ran up to 52 % slower than the example's profile in two runs
-and 10-17 % faster in another (docs/benchmarks.md: over four runs 9 of 16 vLLM cells missed the
-target at the profile's pace, 4 at their own). So each of vLLM's cells is simulated at the pace of
+and 10-17 % faster in another (docs/benchmarks.md: over six runs 11 of 18 vLLM cells missed the
+target at the profile's pace, 5 at their own). So each of vLLM's cells is simulated at the pace of
 its own repeat's streams: every step time (and the abort latency) scaled by one factor, found by
 simulating (:func:`paced_simulation`: ``scale *= real gap / simulated gap`` until they agree within
 2 %), where the gap is the mean time between consecutive tokens over the repeat's completed streams
