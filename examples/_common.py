@@ -90,9 +90,10 @@ def make_parser(description: str, default_port: int) -> argparse.ArgumentParser:
     p.add_argument(
         "--turn-away-wait-quantile", type=quantile_or_off,
         default=attrs.fields(SchedulerConfig).turn_away_wait_quantile.default, metavar="Q|off",
-        help="a newcomer is told to retry on its estimated wait only when the estimate scaled "
-             "by this quantile of recent real / estimated waits still passes its bound; off: on "
-             "the raw estimate (SchedulerConfig.turn_away_wait_quantile; default %(default)s)",
+        help="a newcomer is told to retry on its estimated wait only when fewer than this "
+             "share of the recent queued callers estimated at about its pressure (estimate / "
+             "bound) were admitted in time; off: when the raw estimate passes its bound "
+             "(SchedulerConfig.turn_away_wait_quantile; default %(default)s)",
     )
     add_first_token_pause_option(p)
     p.add_argument(

@@ -600,17 +600,26 @@ def test_overload_rejects_with_retry_after_when_the_wait_exceeds_the_deadline() 
     assert not of(s.arrive("patient", spec(prompt=4, max_tokens=4, deadline=500.0), 3.0), ev.Reject)
 
 
-def _pessimistic_waits(s: Scheduler, rounds: int, spacing: float | None = None) -> float:
+def _pessimistic_waits(
+    s: Scheduler, rounds: int, spacing: float | None = None, bound_share: float | None = None
+) -> float:
     """``rounds`` callers each queued behind a full cache with a forecast wait, then admitted at
     once by a release that comes long before the forecast said; returns the last forecast.
-    ``spacing``: seconds from one round to the next (None: each round right after the last)."""
+    ``spacing``: seconds from one round to the next (None: each round right after the last).
+    ``bound_share``: each caller might wait that share of its forecast (None: no bound)."""
     t = 10.0
     forecast = 0.0
     for k in range(rounds):
         s.arrive(f"hold{k}", spec(prompt=4, max_tokens=28), t)  # the whole cache (8 blocks)
         s.arrive(f"next{k}", spec(prompt=4, max_tokens=28), t)
-        forecast = s.requests[f"next{k}"].wait_forecast
+        req = s.requests[f"next{k}"]
+        forecast = req.wait_forecast
         assert forecast > 0.0
+        if bound_share is not None:
+            # (its queue bound, as a class's max_queue_delay_s or a deadline sets it)
+            req.wait_bound = bound_share * forecast
+            req.expiry = t + req.wait_bound
+            s.queues.note_expiry(req)
         s.charge(f"hold{k}", 28, t)
         s.finish(f"hold{k}", "stop", t)
         admitted = of(s.confirm_release(f"hold{k}", t + 0.1 * forecast), ev.Admit, f"next{k}")
@@ -631,71 +640,100 @@ def _release_rate(s: Scheduler) -> None:
 
 
 @pytest.mark.parametrize("quantile", [0.2, None])
-def test_turn_away_at_arrival_learns_a_pessimistic_wait_forecast(quantile: float | None) -> None:
-    """Callers forecast to wait were each admitted at a tenth of the forecast: the turn-away at
-    arrival reads that ratio (at ``turn_away_wait_quantile``) and queues a caller whose raw
-    forecast is just past its bound; with the quantile off, the raw forecast turns it away."""
-    from kvbudget.core.forecast import MIN_WAIT_RATIOS
+def test_turn_away_at_arrival_learns_that_callers_past_their_bound_were_served(
+    quantile: float | None,
+) -> None:
+    """Callers forecast to wait 1.5x what they might were each admitted at a tenth of the
+    forecast, in time: the turn-away at arrival reads that they were (at
+    ``turn_away_wait_quantile``) and queues the next caller forecast past its bound; with the
+    quantile off, the raw forecast turns it away."""
+    from kvbudget.core.forecast import MIN_WAIT_OUTCOMES
 
     config = SchedulerConfig(turn_away_wait_quantile=quantile)
-    s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront(), config=config)
+    s = Scheduler(Capacity(9, 4), policy=ReserveMaxFront(), config=config)
+    # a stream of one block live throughout: the engine is never idle, so the release rate
+    # counts the seconds between the rounds (an idle engine's do not count)
+    s.arrive("background", spec(prompt=1, max_tokens=3), 0.0)
     _release_rate(s)
-    from kvbudget.core.forecast import UNCALIBRATED_WAIT_RATIO
-
-    # nothing learned yet: a forecast with no evidence of its error is trusted at a margin
-    expected = 1.0 if quantile is None else UNCALIBRATED_WAIT_RATIO
-    assert s.snapshot().wait_forecast_ratio == expected
-    # (rounds a second apart, so that the forecasts settle, and enough of them that the band
-    # of forecast sizes they settle in holds enough ratios)
-    _pessimistic_waits(s, MIN_WAIT_RATIOS + 8, spacing=1.0)
+    assert s.snapshot().wait_in_time_share == 1.0  # nothing seen yet
+    assert s.snapshot().wait_forecast_samples == 0
+    _pessimistic_waits(s, MIN_WAIT_OUTCOMES + 8, spacing=1.0, bound_share=1 / 1.5)
     t = s.now + 0.01
     s.arrive("hog", spec(prompt=4, max_tokens=28), t)
     s.arrive("ahead", spec(prompt=4, max_tokens=28), t)
     wait = s.requests["ahead"].wait_forecast
-    snap = s.snapshot()
-    assert snap.wait_forecast_samples >= MIN_WAIT_RATIOS
+    # behind "ahead", its forecast is twice that: 1.33x its bound
     out = s.arrive("edge", spec(prompt=4, max_tokens=28, deadline=wait * 1.5), t)
+    snap = s.snapshot()
     if quantile is None:
-        assert snap.wait_forecast_ratio == 1.0
         assert of(out, ev.Reject, "edge")[0].reason == "deadline"
     else:
-        assert snap.wait_forecast_ratio == pytest.approx(0.1, rel=0.05)
+        assert snap.wait_forecast_samples >= MIN_WAIT_OUTCOMES
+        assert snap.wait_in_time_share == 1.0
         assert not of(out, ev.Reject) and s.requests["edge"].state is State.QUEUED
-        # a forecast far past the bound is still told at once
+        # a forecast far past the bound, beyond anything seen served, is still told at once
         far = s.arrive("far", spec(prompt=4, max_tokens=28, deadline=wait * 0.05), t)
         assert of(far, ev.Reject, "far")[0].reason == "deadline"
 
 
-def test_a_forecast_is_judged_by_the_ratios_of_forecasts_of_its_size() -> None:
-    """How a wait forecast errs depends on the regime it is made in: short forecasts that ran
-    short (real waits twice as long) do not make a long forecast that ran long (real waits a
-    tenth) turn callers away, nor the other way round. A band with too few ratios reads its
-    neighbours; with too few there too, the forecast is trusted at the uncalibrated margin."""
-    from kvbudget.core.forecast import (
-        MIN_WAIT_RATIOS,
-        UNCALIBRATED_WAIT_RATIO,
-        wait_ratio_band,
-    )
+def test_turn_away_at_arrival_reads_outcomes_at_the_callers_pressure() -> None:
+    """Whether a caller is unlikely to be admitted in time is read from the outcomes of recent
+    queued callers forecast at about its pressure (forecast / the wait it may have): served in
+    time far past the bound, a caller forecast there queues; timed out inside it, a caller
+    forecast there is turned away though the uncalibrated margin (4x) would queue it. Cold,
+    only a forecast past four times the bound is turned away."""
+    from kvbudget.core.forecast import MIN_WAIT_OUTCOMES, wait_pressure_band
 
     s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
     f = s.forecast
-    for _ in range(MIN_WAIT_RATIOS):
-        f.note_waited(0.3, 0.6)  # short forecasts, real waits twice as long
-        f.note_waited(5.0, 0.5)  # long forecasts, real waits a tenth
-    assert f.wait_ratio(0.3) == pytest.approx(2.0)
-    assert s.snapshot().wait_forecast_ratio == pytest.approx(2.0)
-    assert f.wait_ratio(5.0) == pytest.approx(0.1)
-    snap = s.snapshot()  # the snapshot shows the ratio of the forecast judged last
-    assert snap.wait_forecast_ratio == pytest.approx(0.1)
-    assert snap.wait_forecast_samples == MIN_WAIT_RATIOS
-    assert wait_ratio_band(2.5) + 1 == wait_ratio_band(5.0)
-    assert f.wait_ratio(2.5) == pytest.approx(0.1)  # its own band is empty: the neighbour's
-    assert f.wait_ratio(40.0) == UNCALIBRATED_WAIT_RATIO  # nothing near it
+    assert not f.unlikely_in_time(3.0, 1.0) and f.unlikely_in_time(5.0, 1.0)  # cold: 4x
+    assert f.unlikely_in_time(0.1, 0.0)  # nothing to wait: any wait is too long
+    for _ in range(MIN_WAIT_OUTCOMES):
+        f.note_waited(5.0, 1.0, True, s.now)  # forecast at 5x its bound, served in time
+        f.note_waited(1.5, 1.0, False, s.now)  # at 1.5x, timed out
+    assert not f.unlikely_in_time(5.0, 1.0)
+    assert f.in_time_share(5.0) == 1.0
+    assert f.unlikely_in_time(1.5, 1.0)
+    snap = s.snapshot()  # the snapshot shows the outcomes read for the forecast judged last
+    assert snap.wait_in_time_share == 0.0 and snap.wait_forecast_samples == MIN_WAIT_OUTCOMES
+    # an empty band reads the ones beside it, then the next one down: served at 5x, a caller
+    # at up to twice that pressure queues; far past that the uncalibrated margin holds again
+    assert wait_pressure_band(7.5) == wait_pressure_band(5.0) + 1
+    assert not f.unlikely_in_time(7.5, 1.0) and not f.unlikely_in_time(10.0, 1.0)
+    assert f.unlikely_in_time(40.0, 1.0) and s.snapshot().wait_forecast_samples == 0
+    # a quarter served in time is not unlikely enough at the default quantile (0.2)
+    g = Scheduler(Capacity(8, 4), policy=ReserveMaxFront()).forecast
+    for k in range(MIN_WAIT_OUTCOMES):
+        g.note_waited(2.0, 1.0, k % 4 == 0, 0.0)
+    assert g.in_time_share(2.0) == 0.25 and not g.unlikely_in_time(2.0, 1.0)
+    g.note_waited(2.0, 1.0, False, 0.0)
+    g.note_waited(2.0, 1.0, False, 0.0)
+    g.note_waited(2.0, 1.0, False, 0.0)
+    g.note_waited(2.0, 1.0, False, 0.0)
+    assert g.in_time_share(2.0) == 0.2 and not g.unlikely_in_time(2.0, 1.0)
+    g.note_waited(2.0, 1.0, False, 0.0)
+    assert g.unlikely_in_time(2.0, 1.0)
+    # a caller forecast inside its bound, where callers timed out: turned away, unless the
+    # drain of what the engine holds admits it in time (nothing is held here: none to drain)
+    assert f.turns_away(_queued_probe(s), 1.5, 1.0) is True
+    assert f.turns_away(_queued_probe(s), 5.0, 1.0) is False
+
+
+def test_outcomes_are_forgotten_after_a_minute() -> None:
+    """A pressure that callers timed out at is judged afresh once its outcomes are a minute
+    old (the regime may have changed): at the uncalibrated margin, which queues the caller."""
+    from kvbudget.core.forecast import MIN_WAIT_OUTCOMES, WAIT_OUTCOME_HORIZON_S
+
+    s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
+    f = s.forecast
+    for _ in range(MIN_WAIT_OUTCOMES):
+        f.note_waited(1.5, 1.0, False, 0.0)
+    assert f.unlikely_in_time(1.5, 1.0)
+    s.tick(WAIT_OUTCOME_HORIZON_S - 1.0)
+    assert f.unlikely_in_time(1.5, 1.0)
+    s.tick(WAIT_OUTCOME_HORIZON_S + 1.0)
+    assert not f.unlikely_in_time(1.5, 1.0)
     assert s.snapshot().wait_forecast_samples == 0
-    # a caller forecast at 5 s with a bound of 1 s queues (0.5 s at the ratio), and drains
-    assert f.turns_away(s.requests.get("x") or _queued_probe(s), 5.0, 1.0) is False
-    # one at 0.3 s with a bound of 0.5 s is turned away (0.6 s at the ratio, nothing to drain)
-    assert f.turns_away(_queued_probe(s), 0.3, 0.5) is True
 
 
 def _queued_probe(s: Scheduler) -> Any:
@@ -809,7 +847,7 @@ def test_a_burst_after_a_quiet_spell_queues_where_the_running_streams_drain_in_t
         return s, s.arrive("new", spec(prompt=4, max_tokens=4, deadline=1.0), 3.0)
 
     s, out = burst(0.001)
-    assert s.forecast.release_rate(3.0) < 3.0  # the rate alone: 14 blocks take > 4 s
+    assert 14 / s.forecast.release_rate(3.0) > 2.0  # the rate alone: 14 blocks take > 2 s
     assert not of(out, ev.Reject) and s.requests["new"].state is State.QUEUED
     now = 3.0
     admitted_at = None
@@ -829,21 +867,55 @@ def test_a_burst_after_a_quiet_spell_queues_where_the_running_streams_drain_in_t
     assert of(slow, ev.Reject, "new")[0].reason == "deadline"
 
 
-def test_a_caller_timed_out_in_the_queue_counts_its_wait_as_a_lower_bound() -> None:
-    """A queued caller turned away at its bound teaches the forecast that real waits run at
-    least that long: after callers that waited out twice their forecast, the ratio read is >= 2
-    (a forecast that runs optimistic turns callers away sooner, not later)."""
-    from kvbudget.core.forecast import MIN_WAIT_RATIOS
+def test_an_idle_spell_does_not_slow_the_release_rate() -> None:
+    """Blocks come back only while the engine holds some: seconds in which it holds none do not
+    dilute the release rate, so the first caller of a surge after a quiet minute is forecast the
+    wait it would have had right before it, and a caller that would wait just as long is not
+    turned away (a server whose second benchmark run turned most callers away)."""
 
-    s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
-    _release_rate(s)
-    t = 10.0
-    for k in range(MIN_WAIT_RATIOS):
+    def after(idle_s: float) -> tuple[Scheduler, float]:
+        s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
+        _release_rate(s)  # 8 blocks a second while busy; idle from 2.5 s
+        t = 2.5 + idle_s
+        s.arrive("hold", spec(prompt=4, max_tokens=28), t)
+        s.arrive("next", spec(prompt=4, max_tokens=28), t)
+        return s, s.requests["next"].wait_forecast
+
+    busy, right_after = after(0.0)
+    quiet, after_a_minute = after(60.0)
+    assert right_after > 0.0
+    assert after_a_minute == pytest.approx(right_after)
+    assert quiet.forecast.release_rate(quiet.now) == pytest.approx(
+        busy.forecast.release_rate(busy.now)
+    )
+    # while it holds blocks and releases none, the rate does fall
+    assert quiet.forecast.release_rate(quiet.now + 10.0) < 0.5 * quiet.forecast.release_rate(
+        quiet.now
+    )
+
+
+def test_callers_timed_out_in_the_queue_turn_the_next_away_at_arrival() -> None:
+    """Queued callers forecast to wait 0.4 of their bound, each turned away at its bound: the
+    turn-away at arrival learns that callers at that pressure are not served in time, and reads
+    it for the next one (cold, it would queue: its forecast is inside its bound)."""
+    from kvbudget.core.forecast import MIN_WAIT_OUTCOMES
+
+    s = Scheduler(Capacity(9, 4), policy=ReserveMaxFront())
+    s.arrive("background", spec(prompt=1, max_tokens=3), 0.0)  # (never idle, as above)
+    for k in range(20):  # 80 blocks a second: forecasts well inside the outcomes' minute
+        s.arrive(f"w{k}", spec(prompt=4, max_tokens=28), 0.1 * k)
+        s.charge(f"w{k}", 28, 0.1 * k)
+        s.finish(f"w{k}", "stop", 0.1 * k)
+        s.confirm_release(f"w{k}", 0.1 * k + 0.05)
+    t = 2.0
+    assert not s.forecast.unlikely_in_time(1.0, 2.5)
+    for k in range(MIN_WAIT_OUTCOMES):
         s.arrive(f"hold{k}", spec(prompt=4, max_tokens=28), t)
         out = s.arrive(f"late{k}", spec(prompt=4, max_tokens=28, deadline=100.0), t)
         assert not of(out, ev.Reject)
         req = s.requests[f"late{k}"]
         bound = 2.5 * req.wait_forecast
+        req.wait_bound = bound
         req.expiry = t + bound  # (its queue bound, as a class's max_queue_delay_s sets it)
         s.queues.note_expiry(req)
         assert of(s.tick(t + bound + 0.01), ev.Reject, f"late{k}")[0].reason == "queue-timeout"
@@ -851,7 +923,9 @@ def test_a_caller_timed_out_in_the_queue_counts_its_wait_as_a_lower_bound() -> N
         s.finish(f"hold{k}", "stop", t + bound)
         s.confirm_release(f"hold{k}", t + bound)
         t += bound + 0.02
-    assert s.snapshot().wait_forecast_ratio >= 2.0
+    assert s.forecast.unlikely_in_time(1.0, 2.5)
+    snap = s.snapshot()
+    assert snap.wait_in_time_share == 0.0 and snap.wait_forecast_samples >= MIN_WAIT_OUTCOMES
 
 
 def test_a_wait_told_before_any_release_is_not_learned_from() -> None:

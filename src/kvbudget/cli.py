@@ -335,9 +335,10 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         type=quantile_or_off,
         default=attrs.fields(SchedulerConfig).turn_away_wait_quantile.default,
         metavar="Q|off",
-        help="turn away a newcomer on its estimated wait only when the estimate scaled by the "
-        "Q-quantile of recent real / estimated waits still passes its bound; off: on the raw "
-        "estimate (SchedulerConfig.turn_away_wait_quantile, default: %(default)s)",
+        help="turn away a newcomer on its estimated wait only when fewer than Q of the recent "
+        "queued callers estimated at about its pressure (estimate / bound) were admitted in "
+        "time; off: when the raw estimate passes its bound "
+        "(SchedulerConfig.turn_away_wait_quantile, default: %(default)s)",
     )
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="write the figures as JSON")

@@ -342,7 +342,7 @@ SNAPSHOT_SCALARS: Final[tuple[str, ...]] = (
     "drift_blocks",
     "shared_prefix_blocks",
     "engine_preemptions",
-    "wait_forecast_ratio",
+    "wait_in_time_share",
     "wait_forecast_samples",
 )
 
@@ -477,15 +477,15 @@ GAUGES: Final[Mapping[str, tuple[str, str]]] = {
         "shared_prefix_blocks",
         "Prompt blocks charged once for every live request that shares them.",
     ),
-    "wait_forecast_ratio": (
-        "wait_forecast_ratio",
-        "What the forecast wait for admission judged last was scaled by before a caller is "
-        "turned away on it (a low quantile of recent real / forecast waits of forecasts of "
-        "its size; 0.25 until calibrated, 1 when off).",
+    "wait_in_time_share": (
+        "wait_in_time_share",
+        "Share of recent queued callers admitted in time, of those forecast to wait about as "
+        "long for what they might wait as the caller judged last (a caller is turned away at "
+        "arrival on its forecast only below turn_away_wait_quantile; 1 with none seen).",
     ),
     "wait_forecast_samples": (
         "wait_forecast_samples",
-        "Real / forecast wait ratios the turn-away at arrival read for that forecast.",
+        "Outcomes of queued callers the turn-away at arrival read for that forecast.",
     ),
 }
 

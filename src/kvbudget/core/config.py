@@ -27,7 +27,9 @@ class SchedulerConfig:
     ``max_active``: cap on admitted requests (vLLM's ``max_num_seqs``). ``max_queued``: bound on
     waiting callers per class. ``confirm_timeout_s``: after this an unconfirmed stop is counted.
     ``release_rate_window_s``: time constant of the block release-rate estimate used for
-    ``retry_after``. ``min_retry_after_s``/``max_retry_after_s`` clamp what callers are told.
+    ``retry_after`` and the wait forecast (on a clock that stops while the engine holds no
+    blocks: an idle spell does not read as a slow cache). ``min_retry_after_s`` /
+    ``max_retry_after_s`` clamp what callers are told.
     ``remember_released``: how many finished request ids are kept to recognise late events.
     ``tenant_weights``: weighted fairness across tenants inside a class (default weight 1).
     ``prefill_chunk_tokens``: the most prompt tokens the engine prefills in one step (vLLM's
@@ -48,16 +50,22 @@ class SchedulerConfig:
     (None: it is turned away at the deadline itself).
     ``turn_away_wait_quantile``: a caller whose forecast wait for admission exceeds what it may
     wait is turned away at arrival ("deadline") only if it is at least this unlikely to be
-    admitted in time: the forecast is scaled by this quantile of the recent ratios of the waits
-    callers really had to the waits forecast for them (the last ``wait_ratio_window``; a caller
-    turned away at its queue bound counts with the wait it had, a lower bound), so a forecast
-    that runs pessimistic on the live workload stops turning away callers it could serve. Until
-    ``MIN_WAIT_RATIOS`` ratios were seen, a forecast with no evidence of its error is trusted only
-    at a margin: it is quartered (``UNCALIBRATED_WAIT_RATIO``; a cold server turns away at once
-    only callers forecast to wait four times their bound, the rest queue and are timed out at
-    their bound if they must). The ratios are read by the size of the forecast (bands of a
-    factor of 2, ``WAIT_RATIO_BAND_S``): a regime the forecast has not been seen in is a cold
-    one. None: always the forecast as it is.
+    admitted in time: fewer than this share of the recent queued callers whose forecasts were
+    at about its pressure (forecast / the wait they might have, in bands of a factor of
+    sqrt(2)) were admitted in time (the last ``wait_outcome_window`` of each band, from the last
+    minute), so a forecast that runs pessimistic on the live workload stops turning away
+    callers it could serve, and one that runs optimistic turns away callers that would time
+    out. An outcome is counted as the caller's own: admitted (in time: its bound holds its
+    first token's prefill) or not (timed out at its bound, or its first token would have been
+    late). With fewer than ``MIN_WAIT_OUTCOMES`` outcomes at its pressure (and the bands beside
+    it, then the next one down, so the pressure callers are queued at climbs a band at a time
+    past the highest seen served), a forecast with no evidence is trusted only at a margin: it
+    is quartered (``UNCALIBRATED_WAIT_RATIO``; a cold server turns away at once only callers
+    forecast to wait four times their bound, the rest queue and are timed out at their bound if
+    they must). None: whenever the forecast exceeds the bound. (Until 2026-12-03 the forecast
+    was scaled by this quantile of real / forecast waits instead; a policy that admits callers
+    at their last responsible moment makes every wait about its bound, and that ratio then
+    turned away the most pressed fifth of the callers it had served in time, run after run.)
     ``arrival_rate_window_s``: time constant of the estimate of the prompt tokens per second
     that callers under a first-token objective bring (:meth:`Scheduler.first_token_prefill_rate`),
     which a policy may keep room for in the engine's prefill queue.
@@ -81,7 +89,7 @@ class SchedulerConfig:
     turn_away_wait_quantile: float | None = attrs.field(
         default=0.2, validator=optional(quantile())
     )
-    wait_ratio_window: int = attrs.field(default=256, validator=integer(1, 1 << 20))
+    wait_outcome_window: int = attrs.field(default=256, validator=integer(1, 1 << 20))
     deadline_service_quantile: float | None = attrs.field(
         default=0.5, validator=optional(quantile())
     )

@@ -2,8 +2,8 @@
 turned away, what it is told to retry after, and whether its first token would be late.
 
 It learns from four streams the scheduler feeds it (blocks released, the prompt tokens of
-callers under a first-token objective, whether each first token met its objective, and how long
-queued callers really waited against the wait forecast for them); it is handed
+callers under a first-token objective, whether each first token met its objective, and whether
+each caller queued on a wait forecast was admitted in time); it is handed
 the scheduler's queues and configuration, and reads the rest of the scheduler through
 :class:`~kvbudget.core.view.SchedulerView`. It decides nothing: the scheduler turns callers away
 on its answers.
@@ -26,26 +26,31 @@ if TYPE_CHECKING:
 # (an exponential average with this weight per first token, ~100 of them) missed the objective
 LATE_SHARE_ON = 0.05
 LATE_ALPHA = 0.01
-#: ratios of real to forecast waits needed before the turn-away at arrival reads them
-MIN_WAIT_RATIOS = 16
+#: outcomes of queued callers needed (at a forecast's pressure, else with the bands beside it
+#: and the next one down) before the turn-away at arrival reads them
+MIN_WAIT_OUTCOMES = 16
 #: what a forecast wait is scaled by before that (SchedulerConfig.turn_away_wait_quantile):
 #: over vLLM at 40 req/s the forecasts of a regime not seen before were 4-5x long (the release
 #: rate lags a surge), and 0.5 turned away 20-35 callers of 160 that 0.25 served in time
 UNCALIBRATED_WAIT_RATIO = 0.25
-#: the ratios are kept by the size of the forecast they judge, in bands of a factor of 2 from
-#: this many seconds (the first band holds everything shorter, the last everything longer):
-#: how a forecast errs depends on the regime it is made in (measured over vLLM: forecasts of
-#: 0.5 s in a shared-prefix run were 1.8x short, forecasts of 5 s at 40 req/s 5x long), and a
-#: forecast is judged by the ratios of forecasts of its own size
-WAIT_RATIO_BAND_S = 0.25
-WAIT_RATIO_BANDS = 8
+#: the outcomes are kept by the pressure of the forecast they judge (forecast wait / the wait
+#: the caller may have), in bands of a factor of sqrt(2) from this pressure (the first band
+#: holds everything lower, the last everything higher)
+WAIT_PRESSURE_FROM = 0.5
+WAIT_PRESSURE_BANDS = 16
+#: outcomes older than this many seconds are forgotten: a pressure that callers were turned
+#: away at is judged afresh (at the uncalibrated margin) once the regime may have changed
+WAIT_OUTCOME_HORIZON_S = 60.0
 
 
-def wait_ratio_band(forecast: float) -> int:
-    """The band (0 .. ``WAIT_RATIO_BANDS`` - 1) of a forecast wait of ``forecast`` seconds."""
-    if forecast < 2.0 * WAIT_RATIO_BAND_S:
+def wait_pressure_band(pressure: float) -> int:
+    """The band (0 .. ``WAIT_PRESSURE_BANDS`` - 1) of a forecast wait ``pressure`` times what
+    the caller may wait."""
+    if pressure < WAIT_PRESSURE_FROM:
         return 0
-    return min(WAIT_RATIO_BANDS - 1, int(math.log2(forecast / WAIT_RATIO_BAND_S)))
+    if pressure == math.inf:
+        return WAIT_PRESSURE_BANDS - 1
+    return min(WAIT_PRESSURE_BANDS - 1, 1 + int(2.0 * math.log2(pressure / WAIT_PRESSURE_FROM)))
 
 
 class DecayingRate:
@@ -88,12 +93,15 @@ class Forecast:
     __slots__ = (
         "_config",
         "_ft_prompts",
+        "_idle_since",
+        "_idle_total",
+        "_in_time",
         "_judged_band",
+        "_outcomes",
         "_queues",
-        "_ratio_at",
         "_releases",
         "_s",
-        "_wait_ratios",
+        "_share_at",
         "late_first_token_share",
     )
 
@@ -101,19 +109,25 @@ class Forecast:
         self._s = view
         self._queues = queues
         self._config = config
+        # blocks can only be released while the engine holds some: the release rate runs on a
+        # clock that stops while it holds none (_busy_clock), so an idle spell between two
+        # busy ones does not read as a slow cache (which turned away most of the next surge)
         self._releases = DecayingRate(config.release_rate_window_s, warm_up=True)
+        self._idle_total = 0.0
+        self._idle_since: float | None = None
         # prompt tokens of callers under a first-token objective (first_token_prefill_rate)
         self._ft_prompts = DecayingRate(config.arrival_rate_window_s, warm_up=False)
         #: exponential average of how many recent first tokens missed their objective
         self.late_first_token_share = 0.0
-        # real / forecast waits of recent queued callers, by the band of their forecast
-        # (WAIT_RATIO_BAND_S), and the ratio and sample count read for each band (dropped when
-        # a ratio comes in that it reads: a sort of at most 3 x ``wait_ratio_window`` floats, at
-        # arrivals only)
-        self._wait_ratios: list[deque[float]] = [
-            deque(maxlen=config.wait_ratio_window) for _ in range(WAIT_RATIO_BANDS)
+        # whether recent queued callers were admitted in time ((when, in time) by the band of
+        # the pressure of their forecast, oldest first; the in-time count of each band), and
+        # the share and sample count read for each band (dropped when an outcome comes in or
+        # leaves that it reads)
+        self._outcomes: list[deque[tuple[float, bool]]] = [
+            deque() for _ in range(WAIT_PRESSURE_BANDS)
         ]
-        self._ratio_at: dict[int, tuple[float, int]] = {}
+        self._in_time = [0] * WAIT_PRESSURE_BANDS
+        self._share_at: dict[int, tuple[float, int]] = {}
         #: the band of the forecast last judged (what the snapshot reports)
         self._judged_band = 0
 
@@ -132,22 +146,44 @@ class Forecast:
             self.late_first_token_share += LATE_ALPHA * (late - self.late_first_token_share)
 
     def note_release(self, blocks: int, now: float) -> None:
-        self._releases.add(blocks, now)
+        self._releases.add(blocks, self._busy_clock(now))
 
-    def note_waited(self, forecast: float, waited: float) -> None:
-        """A queued caller forecast to wait ``forecast`` seconds was admitted, or turned away at
-        its bound, after ``waited`` (then a lower bound of its wait)."""
-        if forecast > 0.0:
-            band = wait_ratio_band(forecast)
-            self._wait_ratios[band].append(max(0.0, waited) / forecast)
-            for read in (band - 1, band, band + 1):
-                self._ratio_at.pop(read, None)
+    def note_idle(self, now: float, idle: bool) -> None:
+        """From ``now`` the engine holds no blocks (``idle``), or holds some again."""
+        if idle:
+            if self._idle_since is None:
+                self._idle_since = now
+        elif self._idle_since is not None:
+            self._idle_total += max(0.0, now - self._idle_since)
+            self._idle_since = None
+
+    def _busy_clock(self, now: float) -> float:
+        """Seconds during which the engine held blocks, up to ``now`` (plus a constant)."""
+        if self._idle_since is not None:
+            now = min(now, self._idle_since)
+        return now - self._idle_total
+
+    def note_waited(self, forecast: float, bound: float, in_time: bool, now: float) -> None:
+        """A caller queued at ``now`` - its wait, forecast to wait ``forecast`` seconds where it
+        might wait ``bound``, was admitted in time or not (turned away at its bound, or its
+        first token would have been late)."""
+        if forecast <= 0.0:
+            return
+        band = wait_pressure_band(forecast / bound if bound > 0.0 else math.inf)
+        outcomes = self._outcomes[band]
+        if len(outcomes) >= self._config.wait_outcome_window:
+            self._in_time[band] -= outcomes.popleft()[1]
+        outcomes.append((now, in_time))
+        self._in_time[band] += in_time
+        for read in range(band - 1, band + 3):
+            self._share_at.pop(read, None)
 
     # -- what it answers -----------------------------------------------------------------------
 
     def release_rate(self, now: float) -> float:
-        """Blocks per second returned recently (0 when nothing was released yet)."""
-        return self._releases.rate(now)
+        """Blocks per second returned recently while the engine held blocks (0 when nothing
+        was released yet)."""
+        return self._releases.rate(self._busy_clock(now))
 
     def first_token_prefill_rate(self) -> float:
         """Prompt tokens per second that callers under a first-token objective brought recently
@@ -297,48 +333,72 @@ class Forecast:
         raise AssertionError("unreachable: the releases add up to what is held")  # pragma: no cover
 
     @property
-    def wait_ratio_samples(self) -> int:
-        """How many real / forecast wait ratios the turn-away at arrival read for the forecast
-        it judged last (:meth:`wait_ratio`)."""
-        return self._band_ratio(self._judged_band)[1]
+    def wait_outcome_samples(self) -> int:
+        """How many outcomes of queued callers the turn-away at arrival read for the forecast
+        it judged last (:meth:`in_time_share`)."""
+        return self._band_share(self._judged_band)[1]
 
-    def wait_ratio(self, forecast: float | None = None) -> float:
-        """What a forecast wait of ``forecast`` seconds is scaled by before a caller is turned
-        away on it (None: the forecast judged last): the ``turn_away_wait_quantile`` of the
-        recent real / forecast wait ratios of forecasts of its size (its band, or with too few
-        there, its band and the two beside it); ``UNCALIBRATED_WAIT_RATIO`` with fewer than
-        ``MIN_WAIT_RATIOS`` ratios even so; 1.0 with the quantile off."""
-        if forecast is not None:
-            self._judged_band = wait_ratio_band(forecast)
-        return self._band_ratio(self._judged_band)[0]
+    def in_time_share(self, pressure: float | None = None) -> float:
+        """The share of recent queued callers admitted in time, of those whose forecast wait
+        was about ``pressure`` times what they might wait (None: the forecast judged last): of
+        its band, or with too few there, of its band and the two beside it, and with too few
+        still, the next one down too: so the pressure callers are admitted at climbs a band
+        at a time past the highest one they were seen served in time at (1.0 with none)."""
+        if pressure is not None:
+            self._judged_band = wait_pressure_band(pressure)
+        return self._band_share(self._judged_band)[0]
 
-    def _band_ratio(self, band: int) -> tuple[float, int]:
-        q = self._config.turn_away_wait_quantile
-        cached = self._ratio_at.get(band)
+    def _band_share(self, band: int) -> tuple[float, int]:
+        self._forget_old()
+        cached = self._share_at.get(band)
         if cached is not None:
             return cached
-        bands = self._wait_ratios
-        ratios = list(bands[band])
-        if len(ratios) < MIN_WAIT_RATIOS:
-            for near in (band - 1, band + 1):
-                if 0 <= near < WAIT_RATIO_BANDS:
-                    ratios.extend(bands[near])
-        if q is None:
-            read = (1.0, len(ratios))
-        elif len(ratios) < MIN_WAIT_RATIOS:
-            read = (UNCALIBRATED_WAIT_RATIO, len(ratios))
-        else:
-            ratios.sort()
-            read = (ratios[min(len(ratios) - 1, int(q * len(ratios)))], len(ratios))
-        self._ratio_at[band] = read
+        seen, in_time = len(self._outcomes[band]), self._in_time[band]
+        for near in (band + 1, band - 1, band - 2):
+            if seen >= MIN_WAIT_OUTCOMES:
+                break
+            if 0 <= near < WAIT_PRESSURE_BANDS:
+                seen += len(self._outcomes[near])
+                in_time += self._in_time[near]
+        read = (in_time / seen if seen else 1.0, seen)
+        self._share_at[band] = read
         return read
+
+    def _forget_old(self) -> None:
+        horizon = self._s.now - WAIT_OUTCOME_HORIZON_S
+        for band, outcomes in enumerate(self._outcomes):
+            forgot = False
+            while outcomes and outcomes[0][0] < horizon:
+                self._in_time[band] -= outcomes.popleft()[1]
+                forgot = True
+            if forgot:
+                for read in range(band - 1, band + 3):
+                    self._share_at.pop(read, None)
+
+    def unlikely_in_time(self, wait: float, bound: float) -> bool:
+        """Is a caller forecast to wait ``wait`` seconds, who may wait ``bound``, unlikely to be
+        admitted in time (``SchedulerConfig.turn_away_wait_quantile``)? Where at least
+        ``MIN_WAIT_OUTCOMES`` recent queued callers' forecasts were of about its pressure
+        (``wait / bound``): fewer than that share of them were admitted in time. Before that,
+        its forecast exceeds the bound even quartered (``UNCALIBRATED_WAIT_RATIO``). With the
+        quantile off: the forecast exceeds the bound."""
+        if bound <= 0.0:
+            return True
+        pressure = wait / bound
+        q = self._config.turn_away_wait_quantile
+        if q is None:
+            return pressure > 1.0
+        share = self.in_time_share(pressure)
+        if self.wait_outcome_samples < MIN_WAIT_OUTCOMES:
+            return pressure * UNCALIBRATED_WAIT_RATIO > 1.0
+        return share < q
 
     def turns_away(self, req: Request, wait: float, bound: float | None) -> bool:
         """Is a caller forecast to wait ``wait`` seconds, who may wait ``bound``, turned away at
-        arrival? Only when even at the calibrated ratio its wait exceeds the bound
-        (``turn_away_wait_quantile``), and the drain of what the engine holds now would not
-        admit it within the bound either (:meth:`drain_wait`)."""
-        if not (wait > 0.0 and bound is not None and wait * self.wait_ratio(wait) > bound):
+        arrival? Only when it is unlikely to be admitted in time (:meth:`unlikely_in_time`)
+        and the drain of what the engine holds now would not admit it within the bound either
+        (:meth:`drain_wait`)."""
+        if not (wait > 0.0 and bound is not None and self.unlikely_in_time(wait, bound)):
             return False
         drain = self.drain_wait(max(1, self.deficit(req)), self.predicted_service(req, 0.5))
         return drain is None or drain > bound
@@ -354,11 +414,12 @@ class Forecast:
 __all__ = [
     "LATE_ALPHA",
     "LATE_SHARE_ON",
-    "MIN_WAIT_RATIOS",
+    "MIN_WAIT_OUTCOMES",
     "UNCALIBRATED_WAIT_RATIO",
-    "WAIT_RATIO_BANDS",
-    "WAIT_RATIO_BAND_S",
+    "WAIT_OUTCOME_HORIZON_S",
+    "WAIT_PRESSURE_BANDS",
+    "WAIT_PRESSURE_FROM",
     "DecayingRate",
     "Forecast",
-    "wait_ratio_band",
+    "wait_pressure_band",
 ]

@@ -188,6 +188,7 @@ class Request:
         "stats",
         "unconfirmed",
         "used_blocks",
+        "wait_bound",
         "wait_forecast",
         "want_blocks",
     )
@@ -236,9 +237,11 @@ class Request:
         self.release_started_at: float | None = None
         self.unconfirmed = False
         self.expiry = float("inf")  # when it is turned away if still queued (the scheduler's)
-        #: the wait for admission forecast when it was queued (0: admitted at once or not
-        #: forecast); the forecast learns its own error from it (Forecast.note_waited)
+        #: the wait for admission forecast when it was queued (0: admitted at once, not
+        #: forecast, or with no bound) and the wait it might have then; the forecast learns
+        #: from whether it was admitted in time (Forecast.note_waited)
         self.wait_forecast = 0.0
+        self.wait_bound = 0.0
         #: the slowest inter-token gap this stream may see (inf: none)
         floor = cls.latency_floor_s
         self.latency_floor = floor if floor is not None else float("inf")

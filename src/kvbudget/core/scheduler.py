@@ -257,12 +257,11 @@ class Scheduler:
         # the service forecast of a deadline only matters to a caller that waits: one admitted
         # at once skips it (it is most of an arrival's cost), one that stays queued gets it below
         req.expiry = forecast.queue_expiry(req, service=wait > 0.0)
-        if forecast.turns_away(req, wait, forecast.wait_bound(req, now)) and not (
-            self._served_by_pauses(req)
-        ):
+        bound = forecast.wait_bound(req, now)
+        if forecast.turns_away(req, wait, bound) and not self._served_by_pauses(req):
             return [self._reject_new(req, wait, "deadline")]
-        if measured:
-            req.wait_forecast = wait
+        if measured and bound is not None:
+            req.wait_forecast, req.wait_bound = wait, bound
         self.requests[request_id] = req
         self.queues.push(req)
         actions = self._pump(now)
@@ -575,6 +574,8 @@ class Scheduler:
             del self._active_by_floor[req.latency_floor]
 
     def _enter_active(self, req: Request) -> None:
+        if self.active == 0 and self.releasing == 0:
+            self.forecast.note_idle(self.now, False)
         self.active += 1
         self.live[req.request_id] = req
         self.active_context += req.prompt + req.generated
@@ -597,6 +598,8 @@ class Scheduler:
         if preempting:
             self.preempting -= 1
         self.forecast.note_release(freed, now)
+        if self.active == 0 and self.releasing == 0:
+            self.forecast.note_idle(now, True)
         if preempting:  # (the confirmation moved it to checkpointed)
             req.resume = req.checkpoint()
             # one paused for another caller's first token goes behind the callers queued now
@@ -626,9 +629,8 @@ class Scheduler:
         if req.state is State.CHECKPOINTED:
             return self._expire(req, self.config.min_retry_after_s, "deadline")
         if req.wait_forecast:
-            # what it waited until now: its wait where it reached admission, a lower bound of it
-            # where its bound ran out first
-            self.forecast.note_waited(req.wait_forecast, self.now - req.arrival)
+            # its bound ran out, or its first token would have been late: not in time
+            self.forecast.note_waited(req.wait_forecast, req.wait_bound, False, self.now)
         lifecycle.transition(req, Trigger.REJECT)
         lifecycle.settle(req, Outcome.REJECTED)
         self._count_rejection(reason)
@@ -962,7 +964,7 @@ class Scheduler:
                     continue
                 queue.pop(req)
                 if req.wait_forecast:
-                    self.forecast.note_waited(req.wait_forecast, now - req.arrival)
+                    self.forecast.note_waited(req.wait_forecast, req.wait_bound, True, now)
                     req.wait_forecast = 0.0
                 self._grant(req, boundary, allowance, now, actions)
 
@@ -1257,8 +1259,8 @@ class Scheduler:
             drift_blocks=self.drift,
             shared_prefix_blocks=len(led.shared),
             rejections_by_reason=dict(self.rejections_by_reason),
-            wait_forecast_ratio=self.forecast.wait_ratio(),
-            wait_forecast_samples=self.forecast.wait_ratio_samples,
+            wait_in_time_share=self.forecast.in_time_share(),
+            wait_forecast_samples=self.forecast.wait_outcome_samples,
         )
 
     def queued(self) -> int:

@@ -159,11 +159,12 @@ class Snapshot:
     #: the engine's own preemptions, where the adapter can count them (vLLM: Σ
     #: ``num_preempted_reqs``; None: not known)
     engine_preemptions: int | None = None
-    #: what a forecast wait for admission is scaled by before a caller is turned away on it,
-    #: for the forecast judged last (``SchedulerConfig.turn_away_wait_quantile`` of the recent
-    #: real / forecast waits of forecasts of its size; ``UNCALIBRATED_WAIT_RATIO`` until enough
-    #: were seen, 1.0 with the quantile off), and how many such ratios it read
-    wait_forecast_ratio: float = 1.0
+    #: the share of recent queued callers admitted in time, of those whose forecast wait was
+    #: of about the pressure (forecast / the wait they might have) of the forecast judged last
+    #: (a caller is turned away at arrival on its forecast only where it is below
+    #: ``SchedulerConfig.turn_away_wait_quantile`` and at least ``MIN_WAIT_OUTCOMES`` were
+    #: seen; 1.0 with none), and how many such outcomes it read
+    wait_in_time_share: float = 1.0
     wait_forecast_samples: int = 0
 
     # convenience accessors for the DESIGN §9 names
