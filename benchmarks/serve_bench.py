@@ -119,7 +119,10 @@ the LAST line one JSON object ``{"workloads": {NAME: {SERVER: {"sent", "good", "
 "rejected", "rejected_503", "failed", "goodput", "duration_s", "engine_preemptions", ...}}},
 "meta": {...}}``; with ``--repeat K > 1`` a server's entry holds the medians, ``runs`` (each run)
 and ``spread`` ([min, max]). ``--out DIR`` keeps the server and client logs and the raw
-per-request records (JSON).
+per-request records (JSON), and for each budgeted server its engine profile fitted from the
+steps of the whole process (``engine-profile-SERVER.json``) and of each run alone
+(``engine-profile-SERVER-WORKLOAD-rK.json``, from ``/kvbudget/engine-profile?since=&until=``:
+sim_vs_real replays each run at the pace the engine had in it).
 """
 
 from __future__ import annotations
@@ -627,6 +630,21 @@ class ServerProcess:
                     (out_dir / f"engine-profile-{self.spec.name}.json").write_text(
                         json.dumps(json.loads(body), indent=1), encoding="utf-8"
                     )
+
+    def stretch_profile(self, since: float, until: float) -> dict[str, Any] | None:
+        """A budgeted server's engine profile fitted from the steps it ran between ``since``
+        and ``until`` (``time.monotonic()``, one clock for every process here; None: not a
+        budgeted server, or too few steps in that stretch)."""
+        if not self.spec.budgeted:
+            return None
+        with contextlib.suppress(OSError, ValueError):
+            status, body = http_get(
+                f"{self.base}/kvbudget/engine-profile?since={since!r}&until={until!r}"
+            )
+            if status == 200:
+                doc = json.loads(body)
+                return doc if isinstance(doc, dict) else None
+        return None
 
     def wait_idle(self, timeout: float = IDLE_TIMEOUT_S) -> tuple[float, str | None]:
         """Poll until idle: (seconds waited, None) or (timeout, what was still busy)."""
@@ -1354,6 +1372,12 @@ def run_workload(
         run.idle["after_busy"] = busy
     after = srv.counters()
     run.counters = {k: _delta(after.get(k), before.get(k)) for k in after}
+    # the engine's pace in this run alone (the machine's drifts 20-30 % from run to run):
+    # sim_vs_real replays the run on it
+    profile = srv.stretch_profile(t0, time.monotonic())
+    if profile is not None:
+        path = out_dir / f"engine-profile-{srv.spec.name}-{workload.name}-r{rep}.json"
+        path.write_text(json.dumps(profile, indent=1), encoding="utf-8")
     if run.error:
         print(f"! {workload.name} on {srv.spec.name}: {run.error}\n--- client log tail:\n"
               f"{tail(log_path, 30)}\n--- server log tail:\n{tail(srv.log_path, 30)}",

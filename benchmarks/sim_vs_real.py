@@ -77,8 +77,11 @@ simulating (:func:`paced_simulation`: ``scale *= real gap / simulated gap`` unti
 (:func:`real_stream_gap`, what vLLM's inter-token latency histogram averages: decode steps, the
 prefills mixed into them and preempted requests' waits). The shape of the step time stays the
 profile's; what is still predicted is who waits and how long: good, late, rejected, TTFT. The
-example is not paced: its profile is its own engine's steps (its gaps hold its own pauses, which are
-the policy's doing, not the engine's pace). ``--pace none`` runs both at the profile's pace.
+example is not paced by its streams (its gaps hold its own pauses, which are the policy's doing, not
+the engine's pace): where serve_bench kept the example's engine profile of each run (fitted from
+its engine's steps in that run alone, ``engine-profile-kvbudget-<workload>-r<k>.json``,
+:func:`stretch_profiles`), each repeat runs on its own; else on the run's. ``--pace none`` runs
+both at the run's profile's pace.
 
 The servers' front ends (``--front-end run``; off by default). serve_bench counts the CPU time
 of each server's front-end process over each workload; :func:`front_ends_of` fits each server's
@@ -173,8 +176,9 @@ NOTES = (
     "pace its own streams show in each repeat (every step time scaled by one factor until the "
     "simulated streams' mean gap between tokens is the real one's): its API server's work "
     "around each step, its CPU contention with the engine core and the machine's speed in its "
-    "stretch come in as that one factor, not as their own shapes; the example's engine runs at "
-    "its profile's pace over the whole run, not per repeat; where the client's stalls were "
+    "stretch come in as that one factor, not as their own shapes; the example's engine runs on "
+    "the profile fitted from its steps in each repeat where serve_bench kept one (else the "
+    "run's), which still averages over the repeat's phases; where the client's stalls were "
     "recorded, the engine is taken to run at --stall-speed in them, one figure for every stall "
     "(fitted, not measured)",
     "the servers' front ends are not modelled unless --front-end run (measured here at 18-40 % "
@@ -533,7 +537,13 @@ def simulate_workloads(
         plan = plan_workload(name, seed, tok, scale, bench_args)
         planned = sim_requests(plan)
         per: dict[str, dict[str, Any]] = {}
+        own = replay.profiles.get(name, {}) if replay is not None else {}
         for server in SERVERS:
+            engine_of = engines[server]
+            if server in own:  # this run's own engine pace, from its own steps
+                engine_of = attrs.evolve(
+                    own[server].engine_model(), front_end=engines[server].front_end
+                )
             sent = send_times.get(name, {}).get(server)
             scenario, reqs = (
                 planned if not sent else sim_requests(with_send_times(plan, sent))
@@ -544,12 +554,13 @@ def simulate_workloads(
             def run_at(
                 step_scale: float, server: str = server, scenario: Scenario = scenario,
                 reqs: Sequence[SimRequest] = reqs, stalls: Any = stalls,
+                engine_of: EngineModel = engine_of,
             ) -> tuple[Any, tuple[LengthModel, CostModel]]:
                 # every trial starts from the models carried so far, and only the run kept
                 # carries its own on to the next workload
                 lengths, cost = copy.deepcopy(carried[server])
-                engine = engines[server] if step_scale == 1.0 else scaled_engine(
-                    engines[server], step_scale
+                engine = engine_of if step_scale == 1.0 else scaled_engine(
+                    engine_of, step_scale
                 )
                 result = simulate(
                     reqs, scenario, engine, policies[server], seed=seed,
@@ -565,6 +576,7 @@ def simulate_workloads(
                 (result, carried[server]), step_scale = run_at(1.0), 1.0
             summary = summarize_sim(result.request_records, client)
             summary["step_scale"] = round(step_scale, 3)
+            summary["engine_profile"] = "this run's" if server in own else "the run's"
             summary["policy"] = result.policy
             summary["engine_preemptions"] = result.preemptions
             summary["rejections_by_reason"] = dict(result.rejections_by_reason)
@@ -744,20 +756,46 @@ class Replay:
     stalls: dict[str, dict[str, list[tuple[float, float]]]]
     #: the mean gap between tokens of the run's completed streams (:func:`real_stream_gap`)
     gaps: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: a budgeted server's engine profile fitted from its steps in this run alone
+    #: (:func:`stretch_profiles`; ``--pace run``)
+    profiles: dict[str, dict[str, EngineProfile]] = field(default_factory=dict)
 
 
-def load_replays(path: Path) -> list[Replay]:
+def stretch_profiles(path: Path, workload: str, server: str) -> list[EngineProfile | None]:
+    """The engine profiles serve_bench fetched after each run of ``workload`` on the budgeted
+    ``server`` (``engine-profile-<server>-<workload>-r<k>.json``: fitted from the engine's
+    steps in that run alone), by run; None where a run has none (an older run directory, or
+    too few steps)."""
+    out: list[EngineProfile | None] = []
+    k = 0
+    while (path / f"records-{workload}-{server}-r{k}.json").exists():
+        f = path / f"engine-profile-{server}-{workload}-r{k}.json"
+        out.append(EngineProfile.load(f) if f.exists() else None)
+        k += 1
+    return out
+
+
+def load_replays(path: Path, stretches: bool = False) -> list[Replay]:
     """One :class:`Replay` per repeat of a serve_bench ``--out`` directory (a server with fewer
-    repeats repeats its last; none for a JSON file)."""
+    repeats repeats its last; none for a JSON file). ``stretches``: with each budgeted
+    server's engine profile of each run (:func:`stretch_profiles`)."""
     runs = _runs(path) if path.is_dir() else {}
     count = max((len(v) for v in runs.values()), default=0)
+    own = {
+        key: stretch_profiles(path, *key) for key in runs if stretches and key[1] != "vllm"
+    }
     replays = []
     for k in range(count):
         sent: dict[str, dict[str, dict[int, float]]] = {}
         stalls: dict[str, dict[str, list[tuple[float, float]]]] = {}
         gaps: dict[str, dict[str, float]] = {}
+        profiles: dict[str, dict[str, EngineProfile]] = {}
         for (workload, server), reps in runs.items():
             run = reps[min(k, len(reps) - 1)]
+            mine = own.get((workload, server)) or []
+            profile = mine[min(k, len(mine) - 1)] if mine else None
+            if profile is not None:
+                profiles.setdefault(workload, {})[server] = profile
             recs = run.get("records") or []
             if not recs:
                 continue
@@ -769,7 +807,7 @@ def load_replays(path: Path) -> list[Replay]:
             gap = real_stream_gap(recs)
             if gap is not None:
                 gaps.setdefault(workload, {})[server] = gap
-        replays.append(Replay(sent, stalls, gaps))
+        replays.append(Replay(sent, stalls, gaps, profiles))
     return replays
 
 
@@ -1039,7 +1077,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="vLLM's server's engine: at the pace its own streams show in each "
                         "replayed run (run: the profile's step times scaled until the simulated "
                         "streams' mean gap between tokens is the real run's; needs the run's "
-                        "records) or at the profile's (none)"
+                        "records), and the example's on its engine profile of each run where "
+                        "serve_bench kept one; or both at the profile's (none)"
                         f" (default {PACE_DEFAULT})")
     p.add_argument("--policy", default="calibrated", help="the kvbudget example's policy")
     p.add_argument("--seed", type=int, default=0, help="serve_bench's dataset seed (default 0)")
@@ -1142,7 +1181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     send_times = "planned" if opts.send_times == "planned" or not records else "real"
     # each real run replayed with its own client (records come from a run directory)
     replays: list[Replay | None] = (
-        list(load_replays(run_dir)) if send_times == "real" and run_dir is not None else [None]
+        list(load_replays(run_dir, stretches=opts.pace == "run"))
+        if send_times == "real" and run_dir is not None
+        else [None]
     )
     print(f"# send times: {send_times} ({len(replays)} run(s))", file=sys.stderr)
     fitted = (

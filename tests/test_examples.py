@@ -708,6 +708,14 @@ def test_engine_profile_endpoint_fits_the_steps_it_ran(
     assert profile.capacity_blocks == KV_BLOCKS - 1 and profile.block_size == 32
     assert profile.step.decode_time(4, 400) > 0.0
     assert "vLLM" in profile.source and servers["model"] in profile.source
+    # a stretch of time.monotonic(): one in which nothing ran has no profile yet (409), and a
+    # stretch that is not one is a bad request (400)
+    stretch = f"{http_url}/kvbudget/engine-profile"
+    assert httpx.get(stretch, params={"since": 0, "until": 1}, timeout=30).status_code == 409
+    for bad in ({"since": "nan"}, {"since": 5, "until": 1}):
+        resp = httpx.get(stretch, params=bad, timeout=30)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_grpc_streams_cancels_and_is_exhausted(grpc_target: str) -> None:

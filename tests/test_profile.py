@@ -78,6 +78,21 @@ def test_the_recorder_is_bounded_and_drops_non_finite_steps() -> None:
     assert len(rec) == 3 and [s for *_, s in rec.steps] == pytest.approx([0.03, 0.04, 0.05])
 
 
+def test_the_recorder_keeps_when_each_whole_step_ended() -> None:
+    """Steps timed whole carry when they ended: a stretch of time picks those that ended in it
+    (both ends included; steps recorded without a time are in none), stalls are left out, and
+    the times roll with the steps past the limit."""
+    rec = StepRecorder(limit=4)
+    for i in range(6):
+        rec.record_wall(2, 100, 0, 0.01, at=10.0 + i)
+    rec.record_wall(2, 100, 0, 5.0, at=20.0)  # a stall, not a step
+    rec.record_wall(2, 100, 0, 0.02)  # no time given
+    assert len(rec.wall) == 4 and list(rec.wall_at)[:3] == [13.0, 14.0, 15.0]
+    assert len(rec.wall_between(14.0, 15.0)) == 2
+    assert rec.wall_between(16.0, 100.0) == []
+    assert len(rec.wall_between(-float("inf"), float("inf"))) == 3
+
+
 def test_a_profile_round_trips_and_builds_the_engine_model(tmp_path: pathlib.Path) -> None:
     prof = fit_profile(
         _steps(200, 0.0), name="t", source="synthetic", capacity_blocks=100, block_size=16,

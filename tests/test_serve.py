@@ -274,6 +274,11 @@ def test_engine_profile_endpoint(server: dict[str, Any]) -> None:
     assert resp.status_code == 200, resp.text
     profile = EngineProfile.from_dict(resp.json())
     assert profile.observed_steps >= 16 and profile.capacity_blocks == KV_BLOCKS - 1
+    stretch = f"{server['url']}/kvbudget/engine-profile"
+    none_ran = httpx.get(stretch, params={"since": 0, "until": 1}, timeout=30, trust_env=False)
+    assert none_ran.status_code == 409
+    bad = httpx.get(stretch, params={"since": 5, "until": 1}, timeout=30, trust_env=False)
+    assert bad.status_code == 400 and "until" in bad.text
 
 
 def test_metrics_carry_vllms_and_kvbudgets(server: dict[str, Any]) -> None:

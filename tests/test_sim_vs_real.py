@@ -335,6 +335,44 @@ def test_each_repeat_is_replayed_with_its_own_client(tmp_path: pathlib.Path) -> 
     assert svr.median_of_runs([a]) == a
 
 
+def test_each_repeat_of_the_example_runs_on_its_own_engine_profile(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Where serve_bench kept the example's engine profile of each run (fitted from the steps
+    of that run alone), ``--pace run`` replays each repeat on its own: a run whose engine was
+    twice as slow is simulated twice as slow; a run without one, and ``--pace none``, use the
+    run's profile; vLLM's server has none."""
+    from kvbudget.sim.profile import EngineProfile
+
+    shipped = EngineProfile.load(svr.DEFAULT_PROFILE)
+    plan = svr.plan_workload("burst", 0, TOK)
+    for k in range(3):
+        records = [
+            {"request_id": f"sb-kvbudget-burst-r{k}-abc-{p.index}", "start": 10.0,
+             "prompt_len": p.prompt_tokens, "output_len": p.output_tokens}
+            for p in plan
+        ]
+        (tmp_path / f"records-burst-kvbudget-r{k}.json").write_text(json.dumps(
+            {"summary": _summary(30, 0), "records": records, "client_stalls": []}
+        ))
+    slow = svr.scaled(shipped, 2.0)
+    (tmp_path / "engine-profile-kvbudget-burst-r0.json").write_text(json.dumps(shipped.to_dict()))
+    (tmp_path / "engine-profile-kvbudget-burst-r1.json").write_text(json.dumps(slow.to_dict()))
+    own = svr.stretch_profiles(tmp_path, "burst", "kvbudget")
+    assert [p is not None for p in own] == [True, True, False]
+    assert own[1] is not None and own[1].step.fixed_s == pytest.approx(2 * shipped.step.fixed_s)
+    replays = svr.load_replays(tmp_path, stretches=True)
+    assert "kvbudget" in replays[1].profiles["burst"] and replays[2].profiles == {}
+    assert svr.load_replays(tmp_path)[1].profiles == {}  # (--pace none)
+    runs = [
+        svr.simulate_workloads(["burst"], profile=shipped, replay=r)["burst"]["kvbudget"]
+        for r in replays
+    ]
+    assert [r["engine_profile"] for r in runs] == ["this run's", "this run's", "the run's"]
+    assert runs[0]["tpot_p50_ms"] == runs[2]["tpot_p50_ms"]
+    assert runs[1]["tpot_p50_ms"] > 1.6 * runs[0]["tpot_p50_ms"]
+
+
 def test_a_stalled_client_reads_what_came_meanwhile_when_the_stall_ends() -> None:
     """A stream served in time whose tokens came while the client was stalled is timed as that
     client read it: a first token at 1.5 s read at the end of a 1.0-2.5 s stall is 2.5 s late;

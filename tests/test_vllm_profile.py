@@ -4,6 +4,7 @@ own per-step timing fit a profile the simulator can run."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import statistics
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 import vllm_support
+from kvbudget.errors import InvalidInput
 
 pytestmark = pytest.mark.vllm
 
@@ -53,6 +55,20 @@ def test_engine_profile_fits_the_steps_the_engine_ran(monkeypatch: pytest.Monkey
 
             monkeypatch.setattr(adapter, "MIN_WALL_STEPS", 10)
             whole = eng.engine_profile()
+            # a stretch of it: the steps that ended from the middle one's time on
+            at = list(eng.steps.wall_at)
+            mid = sorted(at)[len(at) // 2]
+            later = eng.engine_profile(since=mid)
+            assert later.observed_steps == sum(1 for t in at if t >= mid) >= 10
+            assert "between monotonic" in later.source
+            with pytest.raises(InvalidInput) as none_then:  # nothing ran in this stretch
+                eng.engine_profile(since=0.0, until=1.0)
+            assert none_then.value.field == "steps"
+            for bad, field in (({"since": math.nan}, "since"),
+                               ({"since": mid, "until": mid - 1.0}, "until")):
+                with pytest.raises(InvalidInput) as info:
+                    eng.engine_profile(**bad)
+                assert info.value.field == field
             return by_execution, whole, list(eng.steps.steps), list(eng.steps.wall)
 
     profile, whole, steps, wall = asyncio.run(main())

@@ -67,7 +67,7 @@ MAX_WALL_GAP_S = 0.5
 class StepRecorder:
     """The last ``limit`` observed engine steps (O(1) per step, bounded memory)."""
 
-    __slots__ = ("steps", "wall")
+    __slots__ = ("steps", "wall", "wall_at")
 
     def __init__(self, limit: int = 20_000) -> None:
         check_int("limit", limit, minimum=1)
@@ -75,18 +75,31 @@ class StepRecorder:
         self.steps: deque[StepRecord] = deque(maxlen=limit)
         #: the same steps timed whole, from the previous step's end as the caller saw it
         self.wall: deque[StepRecord] = deque(maxlen=limit)
+        #: when each of ``wall`` ended (the caller's clock; NaN where not given)
+        self.wall_at: deque[float] = deque(maxlen=limit)
 
     def record(self, batch: int, context_tokens: int, prefill_tokens: int, seconds: float) -> None:
         if seconds >= 0.0 and math.isfinite(seconds):
             self.steps.append((batch, context_tokens, prefill_tokens, seconds))
 
     def record_wall(
-        self, batch: int, context_tokens: int, prefill_tokens: int, seconds: float
+        self,
+        batch: int,
+        context_tokens: int,
+        prefill_tokens: int,
+        seconds: float,
+        at: float | None = None,
     ) -> None:
-        """A step timed whole. Gaps over ``MAX_WALL_GAP_S`` are not steps but stalls of the
-        caller (or of the machine) and are left out."""
+        """A step timed whole, ending at ``at``. Gaps over ``MAX_WALL_GAP_S`` are not steps but
+        stalls of the caller (or of the machine) and are left out."""
         if 0.0 <= seconds <= MAX_WALL_GAP_S:
             self.wall.append((batch, context_tokens, prefill_tokens, seconds))
+            self.wall_at.append(math.nan if at is None else at)
+
+    def wall_between(self, since: float, until: float) -> list[StepRecord]:
+        """The steps timed whole that ended in ``[since, until]`` (the clock ``at`` was given
+        on; steps recorded without one are in no window)."""
+        return [r for r, at in zip(self.wall, self.wall_at, strict=True) if since <= at <= until]
 
     def __len__(self) -> int:
         return len(self.steps)

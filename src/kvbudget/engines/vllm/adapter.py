@@ -70,7 +70,7 @@ from kvbudget.errors import RequestAborted as RequestAborted
 from kvbudget.names import NameFolder, NameLimits
 from kvbudget.observability import get_logger
 from kvbudget.sim.profile import EngineProfile, StepRecorder, fit_profile
-from kvbudget.validate import check_int
+from kvbudget.validate import check_float, check_int
 
 if TYPE_CHECKING:
     from kvbudget.core.cost import CostModel
@@ -1130,7 +1130,7 @@ class BudgetedEngine:
         if prefill_tokens is not None:  # the engine's own step details: a clean record
             self.steps.record(batch, context, prefill_tokens, seconds)
             if wall is not None:
-                self.steps.record_wall(batch, context, prefill_tokens, wall)
+                self.steps.record_wall(batch, context, prefill_tokens, wall, time.monotonic())
         if not prefill_tokens:  # (0: a decode step; EngineStats reports only busy ones)
             if prefill_tokens == 0 or sched.prefill_backlog == 0:
                 self.budget.observe_step(batch, context, seconds)
@@ -1155,7 +1155,14 @@ class BudgetedEngine:
         """vLLM's own preemptions (Σ ``iteration_stats.num_preempted_reqs``) since start."""
         return self.stats.preemptions
 
-    def engine_profile(self, name: str | None = None, source: str | None = None) -> EngineProfile:
+    def engine_profile(
+        self,
+        name: str | None = None,
+        source: str | None = None,
+        *,
+        since: float | None = None,
+        until: float | None = None,
+    ) -> EngineProfile:
         """The simulator's model of this engine (:class:`kvbudget.sim.profile.EngineProfile`),
         fitted from the steps it ran since start (the last 20,000), with its KV cache, batch cap
         and prefill chunk. Needs the engine's own step details (``from_engine_args`` turns them
@@ -1167,9 +1174,29 @@ class BudgetedEngine:
         from one step's stats to the next, as the frontend receives them, which is what a
         stream waits between tokens (scheduling, model execution, sampling, output
         processing); else by vLLM's model execution time alone (``iteration_details``), which
-        leaves the rest of the step out."""
-        wall = len(self.steps.wall) >= MIN_WALL_STEPS
-        steps = self.steps.wall if wall else self.steps.steps
+        leaves the rest of the step out.
+
+        ``since`` / ``until`` (``time.monotonic()`` seconds, either may be left out): only the
+        steps timed whole that ended in that stretch, e.g. one benchmark run's, so that the
+        simulator can replay it at the pace the engine had then (the machine's speed drifts
+        20-30 % from one run to the next here); at least ``MIN_WALL_STEPS`` of them, else
+        :class:`~kvbudget.errors.InvalidInput` naming ``steps`` (a bad stretch names ``since``
+        or ``until``)."""
+        window = since is not None or until is not None
+        if window:
+            lo = -math.inf if since is None else check_float("since", since, minimum=-math.inf)
+            hi = math.inf if until is None else check_float("until", until, minimum=lo)
+            steps = self.steps.wall_between(lo, hi)
+            if len(steps) < MIN_WALL_STEPS:
+                raise InvalidInput(
+                    "steps", len(steps),
+                    f"at least {MIN_WALL_STEPS} engine steps timed whole between {since!r} "
+                    f"and {until!r}",
+                )
+            wall = True
+        else:
+            wall = len(self.steps.wall) >= MIN_WALL_STEPS
+            steps = list(self.steps.wall if wall else self.steps.steps)
         if name is None:
             name = f"{self.model_name}-run"
         if source is None:
@@ -1178,10 +1205,13 @@ class BudgetedEngine:
                 if wall
                 else "timed by vLLM's model execution (iteration_details elapsed_ms)"
             )
+            stretch = (
+                f"ran between monotonic {since} and {until}" if window else "ran since start"
+            )
             source = (
                 f"vLLM {vllm_version()} serving {self.model_name} on this machine "
                 f"({platform.machine()}), fitted by kvbudget's BudgetedEngine from the "
-                f"{len(steps)} engine steps it ran since start, {timing}"
+                f"{len(steps)} engine steps it {stretch}, {timing}"
             )
         return fit_profile(
             steps,
