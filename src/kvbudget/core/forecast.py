@@ -164,9 +164,9 @@ class Forecast:
         return now - self._idle_total
 
     def note_waited(self, forecast: float, bound: float, in_time: bool, now: float) -> None:
-        """A caller queued at ``now`` - its wait, forecast to wait ``forecast`` seconds where it
-        might wait ``bound``, was admitted in time or not (turned away at its bound, or its
-        first token would have been late)."""
+        """A caller forecast, when it was queued, to wait ``forecast`` seconds where it might
+        wait ``bound`` was, at ``now``, admitted in time (``in_time``) or not (turned away at
+        its bound, or its first token would have been late)."""
         if forecast <= 0.0:
             return
         band = wait_pressure_band(forecast / bound if bound > 0.0 else math.inf)
