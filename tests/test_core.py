@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvbudget.core import events as ev
 from kvbudget.core.ledger import Request, State
@@ -1322,3 +1324,73 @@ def test_an_overshoot_into_the_slack_waits_for_the_engine_before_a_continuation(
     s = overshot()
     out = s.boundary_reached("r1", 0.1)  # it stopped and wants more: no room, a continuation
     assert of(out, ev.Continue, "r1")[0].continuation.remaining_tokens == 1
+
+
+#: pressures in a few bands side by side and far apart (so that outcomes crowd a band)
+_PRESSURES = st.sampled_from([0.3, 0.8, 1.0, 1.2, 1.6, 2.5, 3.0, 6.0, 40.0])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("outcome"),
+                _PRESSURES,
+                st.sampled_from([0.0, 0.5, 2.0]),
+                st.booleans(),
+            ),
+            st.tuples(st.just("time"), st.floats(0.0, 40.0), st.just(0.0), st.just(False)),
+            st.tuples(st.just("read"), _PRESSURES, st.sampled_from([0.5, 2.0]), st.just(False)),
+        ),
+        max_size=120,
+    ),
+    st.integers(1, 20),
+)
+def test_the_in_time_share_is_always_what_the_outcomes_kept_say(
+    steps: list[tuple[str, float, float, bool]], window: int
+) -> None:
+    """Whatever the sequence of outcomes, reads and passing time, the share and count the
+    turn-away reads for a pressure (cached between reads) are those of the outcomes kept: the
+    last ``wait_outcome_window`` of each band, none older than ``WAIT_OUTCOME_HORIZON_S``, its
+    band, then the bands beside it and the next one down until ``MIN_WAIT_OUTCOMES``."""
+    from kvbudget.core.forecast import (
+        MIN_WAIT_OUTCOMES,
+        WAIT_OUTCOME_HORIZON_S,
+        WAIT_PRESSURE_BANDS,
+        wait_pressure_band,
+    )
+
+    s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront(),
+                  config=SchedulerConfig(wait_outcome_window=window))
+    f = s.forecast
+    kept: list[list[tuple[float, bool]]] = [[] for _ in range(WAIT_PRESSURE_BANDS)]
+    now = 0.0
+    for kind, a, b, flag in steps:
+        if kind == "time":
+            now += a
+            s.tick(now)
+        elif kind == "outcome":  # (a: the pressure, b: the bound)
+            f.note_waited(a * b if b > 0.0 else a, b, flag, now)
+            band = wait_pressure_band(a if b > 0.0 else math.inf)
+            kept[band] = (kept[band] + [(now, flag)])[-window:]
+        else:
+            fresh = [[o for o in k if o[0] >= now - WAIT_OUTCOME_HORIZON_S] for k in kept]
+            band = wait_pressure_band(a)
+            seen = list(fresh[band])
+            for near in (band + 1, band - 1, band - 2):
+                if len(seen) >= MIN_WAIT_OUTCOMES:
+                    break
+                if 0 <= near < WAIT_PRESSURE_BANDS:
+                    seen += fresh[near]
+            share = f.in_time_share(a)
+            assert f.unlikely_in_time(a * b, b) is (
+                share < 0.2 if len(seen) >= MIN_WAIT_OUTCOMES else a > 4.0
+            )
+            assert f.wait_outcome_samples == len(seen)
+            expected = sum(ok for _, ok in seen) / len(seen) if seen else 1.0
+            assert share == pytest.approx(expected)
+            assert 0.0 <= share <= 1.0
+            snap = s.snapshot()
+            assert snap.wait_forecast_samples == len(seen)
+            assert snap.wait_in_time_share == pytest.approx(expected)
