@@ -621,26 +621,25 @@ class ServerProcess:
             (out_dir / f"snapshot-{self.spec.name}.json").write_text(
                 json.dumps(snap, indent=1), encoding="utf-8"
             )
-        if self.spec.budgeted:
-            # the engine profile fitted from this server's steps over the whole run (the same
-            # engine settings as every server here): sim_vs_real --engine-profile run reads it
-            with contextlib.suppress(OSError, ValueError):
-                status, body = http_get(f"{self.base}/kvbudget/engine-profile")
-                if status == 200:
-                    (out_dir / f"engine-profile-{self.spec.name}.json").write_text(
-                        json.dumps(json.loads(body), indent=1), encoding="utf-8"
-                    )
+        # the engine profile fitted from this server's steps over the whole run (the same
+        # engine settings as every server here): sim_vs_real --engine-profile run reads it
+        profile = self.engine_profile()
+        if profile is not None:
+            (out_dir / f"engine-profile-{self.spec.name}.json").write_text(
+                json.dumps(profile, indent=1), encoding="utf-8"
+            )
 
-    def stretch_profile(self, since: float, until: float) -> dict[str, Any] | None:
-        """A budgeted server's engine profile fitted from the steps it ran between ``since``
-        and ``until`` (``time.monotonic()``, one clock for every process here; None: not a
-        budgeted server, or too few steps in that stretch)."""
+    def engine_profile(
+        self, since: float | None = None, until: float | None = None
+    ) -> dict[str, Any] | None:
+        """A budgeted server's engine profile fitted from the steps it ran since start, or
+        between ``since`` and ``until`` (``time.monotonic()``, one clock for every process
+        here); None: not a budgeted server, or too few steps."""
         if not self.spec.budgeted:
             return None
+        query = "" if since is None else f"?since={since!r}&until={until!r}"
         with contextlib.suppress(OSError, ValueError):
-            status, body = http_get(
-                f"{self.base}/kvbudget/engine-profile?since={since!r}&until={until!r}"
-            )
+            status, body = http_get(f"{self.base}/kvbudget/engine-profile{query}")
             if status == 200:
                 doc = json.loads(body)
                 return doc if isinstance(doc, dict) else None
@@ -1374,7 +1373,7 @@ def run_workload(
     run.counters = {k: _delta(after.get(k), before.get(k)) for k in after}
     # the engine's pace in this run alone (the machine's drifts 20-30 % from run to run):
     # sim_vs_real replays the run on it
-    profile = srv.stretch_profile(t0, time.monotonic())
+    profile = srv.engine_profile(t0, time.monotonic())
     if profile is not None:
         path = out_dir / f"engine-profile-{srv.spec.name}-{workload.name}-r{rep}.json"
         path.write_text(json.dumps(profile, indent=1), encoding="utf-8")
