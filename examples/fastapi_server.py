@@ -667,13 +667,8 @@ def create_app(args: argparse.Namespace) -> FastAPI:
         # in a stretch of time.monotonic() (kvbudget simulate --engine-profile FILE reads it)
         if server.engine is None:
             return error_response(503, "the engine is not running", "server_error")
-        try:
-            profile = server.engine.engine_profile(since=since, until=until)
-        except kvbudget.errors.InvalidInput as exc:
-            if exc.field in ("since", "until"):  # a bad stretch, not a missing profile
-                return error_response(400, str(exc), "invalid_request_error")
-            return error_response(409, f"no profile yet: {exc}", "invalid_request_error")
-        return JSONResponse(profile.to_dict())
+        status, body = server.engine.engine_profile_answer(since, until)
+        return JSONResponse(body, status_code=status)
 
     return app
 

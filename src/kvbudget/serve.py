@@ -377,15 +377,8 @@ def install(
     async def engine_profile(since: float | None = None, until: float | None = None) -> Any:
         # the simulator's model of this engine, fitted from the steps it ran since start, or
         # in a stretch of time.monotonic()
-        try:
-            profile = engine.engine_profile(since=since, until=until)
-        except InvalidInput as exc:
-            if exc.field in ("since", "until"):  # a bad stretch, not a missing profile
-                body = _error_body(str(exc), "invalid_request_error", 400)
-                return JSONResponse(body, status_code=400)
-            body = _error_body(f"no profile yet: {exc}", "invalid_request_error", 409)
-            return JSONResponse(body, status_code=409)
-        return JSONResponse(profile.to_dict())
+        status, body = engine.engine_profile_answer(since, until)
+        return JSONResponse(body, status_code=status)
 
     app.add_api_route("/kvbudget/engine-profile", engine_profile, methods=["GET"])
     from starlette.middleware import Middleware

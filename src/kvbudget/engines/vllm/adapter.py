@@ -67,6 +67,7 @@ from kvbudget.errors import (
     InvalidInput,
 )
 from kvbudget.errors import RequestAborted as RequestAborted
+from kvbudget.guard import error_body
 from kvbudget.names import NameFolder, NameLimits
 from kvbudget.observability import get_logger
 from kvbudget.sim.profile import EngineProfile, StepRecorder, fit_profile
@@ -1222,6 +1223,20 @@ class BudgetedEngine:
             max_batch=self.max_num_seqs,
             prefill_chunk_tokens=self.prefill_chunk_tokens,
         )
+
+    def engine_profile_answer(
+        self, since: float | None = None, until: float | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """``GET /kvbudget/engine-profile?since=&until=`` as every kvbudget server answers it:
+        ``(200, the profile)`` (:meth:`engine_profile`); ``(400, error)`` for a bad stretch;
+        ``(409, error)`` while too few steps were seen to fit one."""
+        try:
+            profile = self.engine_profile(since=since, until=until)
+        except InvalidInput as exc:
+            if exc.field in ("since", "until"):  # a bad stretch, not a missing profile
+                return 400, error_body(str(exc), "invalid_request_error", 400, exc.field)
+            return 409, error_body(f"no profile yet: {exc}", "invalid_request_error", 409)
+        return 200, profile.to_dict()
 
     def snapshot(self) -> Snapshot:
         """The budget's :class:`~kvbudget.core.stats.Snapshot`, with vLLM's own preemptions."""
