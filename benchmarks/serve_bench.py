@@ -103,6 +103,13 @@ in sessions of their own stalled with the client, which earlier runs took for st
 whole machine (a 10 ms heartbeat's CPU accounting shows both cores busy with the server's
 niced work meanwhile). Since then runs have had none.
 
+The machine's stolen time (``machine_steal_share``, ``machine_steal_max_share`` per run; the
+samples as ``machine_steal`` in each records file): the share of the machine's CPU time the
+hypervisor gave to others (``steal`` in ``/proc/stat``), read every 0.25 s while the run lasts
+(:class:`StealWatch`); the table notes it where some second lost 5 % or more. Runs of the same
+server and workload differ by 20-50 % in pace here, at times only while requests arrive; this
+says whether the host took the difference.
+
 Preemptions: ``/metrics`` is scraped before and after each workload (after the idle wait):
 ``vllm:num_preemptions_total`` (vLLM), ``kvbudget_engine_preemptions_total`` (the example, once it
 exports it; ``null`` otherwise; the budget's own ``kvbudget_preemptions_total`` is reported as
@@ -145,6 +152,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import urllib.error
@@ -870,6 +878,86 @@ def stall_figures(stalls: Sequence[tuple[float, float]]) -> dict[str, Any]:
 LOOP_LAG = LoopLag()
 
 
+#: how often :class:`StealWatch` reads the machine's CPU counters
+STEAL_INTERVAL_S = 0.25
+
+
+class StealWatch:
+    """How much CPU time the hypervisor took from this VM during a run (``steal`` in
+    ``/proc/stat``: time a virtual CPU was ready to run and the host ran something else).
+
+    The same server ran the same workload 20-50 % slower in one run than in another here, and
+    in some runs slower while requests arrived than after; nothing the servers or the client
+    did differed. A thread reads the counters every :data:`STEAL_INTERVAL_S` while a run
+    lasts; :meth:`take` returns ``[(time.perf_counter() at the end of the interval, stolen
+    share of the machine's CPU time in it)]``, the records' clock. On a machine without
+    ``/proc/stat`` it records nothing."""
+
+    def __init__(self, interval: float = STEAL_INTERVAL_S) -> None:
+        self.interval = interval
+        self._samples: list[tuple[float, float]] = []
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def counters() -> tuple[int, int] | None:
+        """(steal ticks, all ticks) of the machine so far, None without ``/proc/stat``."""
+        try:
+            with open("/proc/stat", encoding="ascii") as f:
+                fields = f.readline().split()
+        except OSError:
+            return None
+        if len(fields) < 9 or fields[0] != "cpu":
+            return None
+        ticks = [int(x) for x in fields[1:]]
+        # guest time is counted in user time already
+        return ticks[7], sum(ticks[:8])
+
+    def start(self) -> None:
+        self._samples = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(self._stop,), daemon=True)
+        self._thread.start()
+
+    def _watch(self, stop: threading.Event) -> None:
+        last = self.counters()
+        while last is not None and not stop.wait(self.interval):
+            now = self.counters()
+            if now is None:
+                return
+            stolen, total = now[0] - last[0], now[1] - last[1]
+            if total > 0:
+                self._samples.append((time.perf_counter(), stolen / total))
+            last = now
+
+    def take(self) -> list[tuple[float, float]]:
+        """The run's samples; the watch stops."""
+        if self._stop is not None:
+            self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._stop = self._thread = None
+        samples, self._samples = self._samples, []
+        return samples
+
+
+def steal_figures(samples: Sequence[tuple[float, float]], interval: float) -> dict[str, Any]:
+    """A run's stolen CPU as its summary reports it: ``machine_steal_share`` (of the machine's
+    CPU time over the run) and ``machine_steal_max_share`` (the worst second); None where
+    nothing was recorded."""
+    if not samples:
+        return {"machine_steal_share": None, "machine_steal_max_share": None}
+    per_second = max(1, round(1.0 / interval))
+    worst = max(
+        sum(v for _, v in samples[i:i + per_second]) / len(samples[i:i + per_second])
+        for i in range(0, len(samples), per_second)
+    )
+    return {
+        "machine_steal_share": round(sum(v for _, v in samples) / len(samples), 4),
+        "machine_steal_max_share": round(worst, 4),
+    }
+
+
 async def stream_completion(
     session: Any, url: str, payload: dict[str, Any], headers: dict[str, str], rec: Record
 ) -> None:
@@ -1332,6 +1420,8 @@ class Run:
     summary: dict[str, Any] = field(default_factory=dict)
     #: :meth:`LoopLag.take` of the run: when the client itself was not running, how long
     client_stalls: list[tuple[float, float]] = field(default_factory=list)
+    #: :meth:`StealWatch.take` of the run: the share of the machine's CPU time the host took
+    steal: list[tuple[float, float]] = field(default_factory=list)
 
 
 def run_workload(
@@ -1349,6 +1439,8 @@ def run_workload(
     seed = opts.seed  # every run of a workload sends the same requests
     log_path = out_dir / f"client-{workload.name}-{srv.spec.name}-r{rep}.log"
     t0 = time.monotonic()
+    steal = StealWatch()
+    steal.start()
     with open(log_path, "w", encoding="utf-8") as log:
         try:
             if workload.kind == "abandon":
@@ -1364,6 +1456,7 @@ def run_workload(
             run.error = f"{type(exc).__name__}: {exc}"
             log.write(traceback.format_exc())
     run.client_stalls = LOOP_LAG.take()
+    run.steal = steal.take()
     run.wall_s = time.monotonic() - t0
     waited, busy = srv.wait_idle()
     run.idle["after_s"] = round(waited, 2)
@@ -1430,6 +1523,7 @@ def finish_runs(runs: list[Run]) -> None:
             s["vllm_bench"] = run.vllm_view
         s["idle_wait"] = run.idle
         s.update(stall_figures(run.client_stalls))
+        s.update(steal_figures(run.steal, STEAL_INTERVAL_S))
         if run.error:
             s["error"] = run.error
         run.summary = s
@@ -1505,6 +1599,9 @@ def table_line(run: Run) -> str:
     if s.get("client_stalls"):
         notes.append(f"client_stalls={s['client_stalls']}/{s['client_stall_s']}s"
                      f"(max {s['client_max_stall_s']}s)")
+    if (s.get("machine_steal_max_share") or 0.0) >= 0.05:
+        notes.append(f"steal={100 * s['machine_steal_share']:.0f}%"
+                     f"(max {100 * s['machine_steal_max_share']:.0f}%/s)")
     notes.append(f"text_checked={s['text_checked']}")
     if s["text_fffd_only"]:
         notes.append(f"text_fffd_only={s['text_fffd_only']}")
@@ -1678,7 +1775,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 path = out_dir / f"records-{run.workload}-{run.server}-r{run.rep}.json"
                 path.write_text(json.dumps(
                     {"summary": run.summary, "counters": run.counters,
-                     "client_stalls": stalls_json(run), "records": records_json(run)},
+                     "client_stalls": stalls_json(run),
+                     "machine_steal": [[round(t, 3), round(v, 4)] for t, v in run.steal],
+                     "records": records_json(run)},
                     indent=1), encoding="utf-8")
 
     print()

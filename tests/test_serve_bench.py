@@ -247,6 +247,39 @@ def test_loop_lag_counts_the_time_the_clients_loop_did_not_run() -> None:
     }
 
 
+def test_steal_watch_reports_the_share_of_cpu_time_the_host_took() -> None:
+    """The machine's stolen time per run: the steal ticks' share of all ticks in each interval
+    (from ``/proc/stat``'s counters), and per run the mean share and the worst second. A run
+    on a machine whose host took nothing reports 0; one without the counters, nothing."""
+    import time
+
+    ticks = iter([(0, 0), (10, 100), (10, 200), (60, 300)] + [(60, 300 + 100 * k)
+                                                               for k in range(1, 400)])
+    watch = sb.StealWatch(interval=0.01)
+    watch.counters = lambda: next(ticks)  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    watch.start()
+    deadline = time.monotonic() + 10.0
+    while len(watch._samples) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    samples = watch.take()
+    assert [v for _, v in samples[:3]] == [0.1, 0.0, 0.5]
+    assert all(v == 0.0 for _, v in samples[3:]) and samples[0][0] >= t0
+    got = sb.steal_figures([(0.0, 0.1), (0.1, 0.0), (0.2, 0.5), (0.3, 0.0)], 0.25)
+    assert got == {"machine_steal_share": 0.15, "machine_steal_max_share": 0.15}
+    got = sb.steal_figures([(0.0, 0.0)] * 4 + [(0.0, 0.4)] * 4, 0.25)
+    assert got == {"machine_steal_share": 0.2, "machine_steal_max_share": 0.4}
+    assert sb.steal_figures([], 0.25) == {
+        "machine_steal_share": None, "machine_steal_max_share": None
+    }
+    nothing = sb.StealWatch(interval=0.01)
+    nothing.counters = lambda: None  # type: ignore[method-assign]
+    nothing.start()
+    assert nothing.take() == []
+    real = sb.StealWatch.counters()  # this machine's own, where it has /proc/stat
+    assert real is None or 0 <= real[0] <= real[1]
+
+
 def test_set_autogroup_nice_nices_the_whole_session(tmp_path: pathlib.Path) -> None:
     """The server's session gets the niceness (autogroups share the CPU between sessions first,
     so the process's own niceness does not protect the load generator)."""
