@@ -260,6 +260,36 @@ def test_a_machine_stall_slows_the_steps_it_meets(speed: float) -> None:
         simulate([req], sc, SMALL_ENGINE, "reserve-max", stalls=[(0.0, 1.0)], stall_speed=1.5)
 
 
+def test_spans_of_their_own_speed_slow_the_steps_each_at_its_own() -> None:
+    """Spans ``(begin, seconds, speed)``: a step runs at each span's speed while in it. Here
+    the prefill step (fixed + 100 prompt tokens) meets a span at half speed for its first
+    quarter and then one at a quarter speed (back to back): hand-worked, the first quarter of
+    its work takes half of it, and the rest runs at 0.25 until done. A pair keeps
+    ``stall_speed``; overlapping spans, a speed above 1 and a malformed span are typed
+    errors."""
+    trace = Workload(name="one", requests=[TraceRequest(arrival_s=0.0, prompt_tokens=100,
+                                                        output_tokens=2)])
+    sc = Scenario(interactive_share=1.0, abandon_share=0.0)
+    (req,) = apply_scenario(trace, sc)
+    step = SMALL_ENGINE.step
+    prefill = step.fixed_s + 100 * step.prefill_per_token_s
+    first = prefill / 2  # half speed: a quarter of the work done in it
+    spans = [(0.0, first, 0.5), (first, 100.0, 0.25)]
+    r = simulate([req], sc, SMALL_ENGINE, "reserve-max", keep_requests=True, stalls=spans)
+    (rec,) = r.request_records
+    assert rec.ttft_s == pytest.approx(first + (prefill * 0.75) / 0.25)
+    # the same span as a pair at stall_speed 0.25 and as a triple agree
+    pair = simulate([req], sc, SMALL_ENGINE, "reserve-max", keep_requests=True,
+                    stalls=[(0.0, 100.0)], stall_speed=0.25).request_records[0]
+    triple = simulate([req], sc, SMALL_ENGINE, "reserve-max", keep_requests=True,
+                      stalls=[(0.0, 100.0, 0.25)]).request_records[0]
+    assert pair.ttft_s == pytest.approx(triple.ttft_s) == pytest.approx(prefill / 0.25)
+    for bad in ([(0.0, 2.0, 0.5), (1.0, 2.0, 0.5)], [(0.0, 1.0, 1.5)], [(0.0,)],
+                [(0.0, float("nan"), 0.5)]):
+        with pytest.raises(InvalidInput):
+            simulate([req], sc, SMALL_ENGINE, "reserve-max", stalls=bad)  # type: ignore[arg-type]
+
+
 def test_the_front_end_delays_what_clients_get_as_a_one_thread_queue() -> None:
     """Hand-worked: one request alone. The front end takes it in (per_request) before the
     scheduler sees it, so its prefill starts then; every token reaches the client per_output

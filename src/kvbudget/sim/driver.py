@@ -100,6 +100,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import itertools
 import math
 import time
 from collections import deque
@@ -276,15 +277,15 @@ class _Sim:
         keep_requests: bool = False,
         lengths: LengthModel | None = None,
         cost: CostModel | None = None,
-        stalls: Sequence[tuple[float, float]] = (),
+        stalls: Sequence[tuple[float, float] | tuple[float, float, float]] = (),
         stall_speed: float = 0.0,
     ) -> None:
         self.keep_requests = keep_requests
-        #: (begin, seconds) spans, sorted, in which the machine ran at ``stall_speed``
-        self.machine_stalls = sorted((float(a), float(d)) for a, d in stalls if d > 0)
+        self.stall_speed = check_float("stall_speed", stall_speed, maximum=1.0)
+        #: (begin, seconds, speed) spans, sorted, in which the machine ran at that speed
+        self.machine_stalls = _speed_spans(stalls, self.stall_speed)
         #: the first of them not over at the last step's start (steps start in time order)
         self._stall_at = 0
-        self.stall_speed = check_float("stall_speed", stall_speed, maximum=1.0)
         self.engine = engine
         fe = engine.front_end
         self.fe_request_s = fe.per_request_s if fe is not None else 0.0
@@ -669,16 +670,15 @@ class _Sim:
 
     def _stalled(self, start: float, work: float) -> float:
         """How long a step of ``work`` seconds that starts at ``start`` lasts when, during the
-        machine's stalls, it runs at ``stall_speed`` of its speed (0: not at all)."""
+        machine's stalls, it runs at each one's speed (0: not at all)."""
         t = start
-        speed = self.stall_speed
         stalls = self.machine_stalls
         at = self._stall_at
-        while at < len(stalls) and sum(stalls[at]) <= start:
+        while at < len(stalls) and stalls[at][0] + stalls[at][1] <= start:
             at += 1  # over before this step: over before every later one
         self._stall_at = at
         for i in range(at, len(stalls)):
-            begin, length = stalls[i]
+            begin, length, speed = stalls[i]
             stop = begin + length
             if stop <= t:
                 continue
@@ -1061,6 +1061,31 @@ class _Sim:
         )
 
 
+def _speed_spans(
+    stalls: Sequence[tuple[float, float] | tuple[float, float, float]], default_speed: float
+) -> list[tuple[float, float, float]]:
+    """``stalls`` as sorted ``(begin, seconds, speed)`` spans (a pair runs at
+    ``default_speed``); empty ones dropped, typed errors for the rest. Spans must not
+    overlap."""
+    spans: list[tuple[float, float, float]] = []
+    for i, span in enumerate(stalls):
+        if len(span) not in (2, 3):
+            raise InvalidInput(f"stalls[{i}]", span, "(begin, seconds) or (begin, seconds, speed)")
+        begin = check_float(f"stalls[{i}] begin", span[0], minimum=-math.inf)
+        length = check_float(f"stalls[{i}] seconds", span[1])
+        speed = (
+            default_speed if len(span) == 2
+            else check_float(f"stalls[{i}] speed", span[2], maximum=1.0)
+        )
+        if length > 0:
+            spans.append((begin, length, speed))
+    spans.sort()
+    for (a, d, _), (b, _, _) in itertools.pairwise(spans):
+        if b < a + d:
+            raise InvalidInput("stalls", (a, d, b), "spans that do not overlap")
+    return spans
+
+
 def simulate(
     requests: Sequence[SimRequest],
     scenario: Scenario,
@@ -1074,7 +1099,7 @@ def simulate(
     keep_requests: bool = False,
     lengths: LengthModel | None = None,
     cost: CostModel | None = None,
-    stalls: Sequence[tuple[float, float]] = (),
+    stalls: Sequence[tuple[float, float] | tuple[float, float, float]] = (),
     stall_speed: float = 0.0,
 ) -> PolicyResult:
     """Replay ``requests`` (from :func:`~kvbudget.sim.scenario.apply_scenario`) through one policy.
@@ -1091,7 +1116,8 @@ def simulate(
     earlier run to start from what it learned (they are updated in place). ``stalls``:
     ``(begin, seconds)`` spans on the replayed timeline in which the machine ran at
     ``stall_speed`` of its speed (0: nothing at all; a step that meets one lasts longer, while
-    the clock, arrivals and ticks go on), as a busy 2-core VM is sometimes barely scheduled.
+    the clock, arrivals and ticks go on), as a busy 2-core VM is sometimes barely scheduled; a
+    span ``(begin, seconds, speed)`` runs at its own speed (0-1); spans must not overlap.
     Deterministic for given inputs.
     """
     sim = _Sim(
