@@ -76,7 +76,15 @@ simulating (:func:`paced_simulation`: ``scale *= real gap / simulated gap`` unti
 2 %), where the gap is the mean time between consecutive tokens over the repeat's completed streams
 (:func:`real_stream_gap`, what vLLM's inter-token latency histogram averages: decode steps, the
 prefills mixed into them and preempted requests' waits). The shape of the step time stays the
-profile's; what is still predicted is who waits and how long: good, late, rejected, TTFT. The
+profile's; what is still predicted is who waits and how long: good, late, rejected, TTFT.
+``--pace phases`` (the default) finds two such factors, one for the run while its requests were
+being sent and one for after (:func:`phased_simulation`, each from the streams whose middle came
+in that phase, :func:`real_phase_gaps`), and falls back to one where a phase has too few
+streams (:data:`MIN_PHASE_STREAMS`) or the client stalled: in some runs vLLM's server ran 1.5x
+slower while 160 requests came in than after (its first streams 11.6 ms between tokens, later
+ones 6-7 ms, both repeats of one run; not in a run an hour later), and one factor for the run
+then had the first streams finish early and the next ones admitted in time. Over five runs
+(docs/benchmarks.md) it missed 2 of vLLM's 26 cells against 6 with one factor. The
 example is not paced by its streams (its gaps hold its own pauses, which are the policy's doing, not
 the engine's pace): where serve_bench kept the example's engine profile of each run (fitted from
 its engine's steps in that run alone, ``engine-profile-kvbudget-<workload>-r<k>.json``,
@@ -172,11 +180,12 @@ NOTES = (
     "the engine is a fitted step-time profile (--engine-profile; by default the one the kvbudget "
     "example fitted from its own engine steps over the run, timed whole: from one step's stats "
     "to the next as its front end received them), the same shape for both servers; with "
-    "--pace run (the default where the run's records are at hand) vLLM's server runs it at the "
-    "pace its own streams show in each repeat (every step time scaled by one factor until the "
-    "simulated streams' mean gap between tokens is the real one's): its API server's work "
-    "around each step, its CPU contention with the engine core and the machine's speed in its "
-    "stretch come in as that one factor, not as their own shapes; the example's engine runs on "
+    "--pace phases (the default where the run's records are at hand) vLLM's server runs it at "
+    "the pace its own streams show in each repeat, while requests were sent and after (every "
+    "step time scaled by one factor per phase until the simulated streams' mean gap between "
+    "tokens is the real one's; --pace run: one factor): its API server's work around each "
+    "step, its CPU contention with the engine core and the machine's speed in its stretch come "
+    "in as those factors, not as their own shapes; the example's engine runs on "
     "the profile fitted from its steps in each repeat where serve_bench kept one (else the "
     "run's), which still averages over the repeat's phases; where the client's stalls were "
     "recorded, the engine is taken to run at --stall-speed in them, one figure for every stall "
@@ -511,6 +520,7 @@ def simulate_workloads(
     stall_speed: float = STALL_SPEED,
     front_ends: Mapping[str, FrontEndModel] | None = None,
     paced: Collection[str] = (),
+    pace: str = "phases",
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``{workload: {server: summary}}`` of the simulated runs, workloads in serve_bench's order,
     each server's budget models carried from one workload to the next (module docstring).
@@ -522,8 +532,9 @@ def simulate_workloads(
     runs at ``stall_speed`` of its speed (a fitted figure, module docstring). ``front_ends``:
     each server's front-end process (:func:`front_ends_of`); a server without one gets its
     tokens as the engine makes them. ``paced``: servers whose engine runs at the pace the
-    replayed run's own streams show (:func:`paced_simulation`; ``--pace run``), not the
-    profile's; each such summary says its ``step_scale``."""
+    replayed run's own streams show, not the profile's: per phase (``pace`` "phases",
+    :func:`phased_simulation`; its summary also says ``arriving_step_scale``) or one for the run
+    (:func:`paced_simulation`; "run"); each such summary says its ``step_scale``."""
     send_times = replay.send_times if replay is not None else {}
     engine = profile.engine_model()
     engines = {
@@ -552,7 +563,8 @@ def simulate_workloads(
             client = ClientView(stalls)
 
             def run_at(
-                step_scale: float, server: str = server, scenario: Scenario = scenario,
+                step_scale: float, slow: tuple[float, float] | None = None,
+                slow_speed: float = 1.0, server: str = server, scenario: Scenario = scenario,
                 reqs: Sequence[SimRequest] = reqs, stalls: Any = stalls,
                 engine_of: EngineModel = engine_of,
             ) -> tuple[Any, tuple[LengthModel, CostModel]]:
@@ -562,20 +574,37 @@ def simulate_workloads(
                 engine = engine_of if step_scale == 1.0 else scaled_engine(
                     engine_of, step_scale
                 )
+                # a slower phase of the run (--pace phases) takes the place of the client's
+                # stalls, which runs paced by phase have none of
+                spans, speed = ((slow,), slow_speed) if slow is not None else (stalls,
+                                                                               stall_speed)
                 result = simulate(
                     reqs, scenario, engine, policies[server], seed=seed,
-                    keep_requests=True, lengths=lengths, cost=cost, stalls=stalls,
-                    stall_speed=stall_speed,
+                    keep_requests=True, lengths=lengths, cost=cost, stalls=spans,
+                    stall_speed=speed,
                 )
                 return result, (lengths, cost)
 
             target = replay.gaps.get(name, {}).get(server) if replay is not None else None
-            if server in paced and target is not None:
+            phases = (
+                replay.phase_gaps.get(name, {}).get(server) if replay is not None else None
+            )
+            arriving_scale: float | None = None
+            phased = (
+                phased_simulation(run_at, phases, client)
+                if server in paced and pace == "phases" and phases is not None and not stalls
+                else None
+            )
+            if phased is not None:
+                (result, carried[server]), (arriving_scale, step_scale) = phased
+            elif server in paced and target is not None:
                 (result, carried[server]), step_scale = paced_simulation(run_at, target, client)
             else:
                 (result, carried[server]), step_scale = run_at(1.0), 1.0
             summary = summarize_sim(result.request_records, client)
             summary["step_scale"] = round(step_scale, 3)
+            if arriving_scale is not None:
+                summary["arriving_step_scale"] = round(arriving_scale, 3)
             summary["engine_profile"] = "this run's" if server in own else "the run's"
             summary["policy"] = result.policy
             summary["engine_preemptions"] = result.preemptions
@@ -588,7 +617,7 @@ def simulate_workloads(
 
 #: ``--pace``'s default, and the servers it paces: vLLM's own server, whose engine's steps
 #: nothing in the run times (the example's profile is its own engine's steps)
-PACE_DEFAULT = "run"
+PACE_DEFAULT = "phases"
 PACED_SERVERS = ("vllm",)
 #: ``--pace run``: the engine's step times are scaled until the simulated streams' mean gap
 #: between tokens is within this share of the real run's, in at most PACE_TRIALS simulations,
@@ -664,6 +693,122 @@ def paced_simulation(
         if abs(ratio - 1.0) <= PACE_TOLERANCE or nxt == scale:
             return out, scale
         scale = nxt
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class PhaseGaps:
+    """A run's pace in its two phases (``--pace phases``): the mean gap between tokens
+    (:func:`mean_gap`) of the completed streams whose middle came before ``split_s`` (while
+    the client was still sending: ``arriving``) and of those after (``after``); ``split_s``:
+    when the last request was sent, seconds after the first."""
+
+    arriving: float
+    after: float
+    split_s: float
+
+
+#: ``--pace phases``: a phase is paced on its own only with at least this many streams in it
+MIN_PHASE_STREAMS = 8
+
+
+def phase_gaps(streams: Sequence[tuple[float, int, float]], split_s: float) -> PhaseGaps | None:
+    """:class:`PhaseGaps` of ``streams`` (``(middle, tokens, seconds from the first token to
+    the last)`` each, ``middle`` on the run's clock); None where either phase has fewer than
+    :data:`MIN_PHASE_STREAMS` streams of two tokens or more."""
+    early = [(n, span) for mid, n, span in streams if mid < split_s and n >= 2]
+    late = [(n, span) for mid, n, span in streams if mid >= split_s and n >= 2]
+    if len(early) < MIN_PHASE_STREAMS or len(late) < MIN_PHASE_STREAMS:
+        return None
+    arriving, after = mean_gap(early), mean_gap(late)
+    if arriving is None or after is None or arriving <= 0 or after <= 0:
+        return None
+    return PhaseGaps(arriving, after, split_s)
+
+
+def real_phase_gaps(recs: Sequence[Mapping[str, Any]]) -> PhaseGaps | None:
+    """:func:`phase_gaps` of one real run's completed streams, as the client timed them, on a
+    clock that starts at its first send."""
+    if not recs:
+        return None
+    t0 = min(float(r["start"]) for r in recs)
+    split = max(float(r["start"]) for r in recs) - t0
+    streams = []
+    for r in recs:
+        if (r.get("outcome") not in ("good", "late") or not r.get("output_tokens")
+                or r.get("latency") is None or r.get("ttft") is None):
+            continue
+        first = float(r["start"]) - t0 + float(r["ttft"])
+        last = float(r["start"]) - t0 + float(r["latency"])
+        streams.append(((first + last) / 2, int(r["output_tokens"]), last - first))
+    return phase_gaps(streams, split)
+
+
+def sim_phase_gaps(
+    records: Sequence[RequestRecord], client: ClientView, split_s: float
+) -> PhaseGaps | None:
+    """:func:`phase_gaps` of a simulated run's completed streams, as ``client`` times them
+    (the simulation's clock starts at the first send, as the replayed run's)."""
+    streams = []
+    for rec in records:
+        if classify_sim(rec, client) not in ("good", "late"):
+            continue
+        ttft, tpot = client.timing(rec)
+        if ttft is None or tpot is None:
+            continue
+        first = rec.arrival_s + ttft
+        span = tpot * max(rec.output_tokens - 1, 0)
+        streams.append((first + span / 2, rec.output_tokens, span))
+    return phase_gaps(streams, split_s)
+
+
+#: ``--pace phases``: at most this many simulations to find the two phases' scales
+PHASE_TRIALS = 8
+
+
+def phase_span(
+    arriving: float, after: float, split_s: float
+) -> tuple[float, tuple[float, float], float]:
+    """How the driver runs an engine whose step times are ``arriving`` times the profile's
+    until ``split_s`` and ``after`` times them since: ``(the scale of the faster phase, the
+    slower phase as a (begin, seconds) span, the speed in it)``."""
+    base = min(arriving, after)
+    if arriving >= after:
+        return base, (-1.0, split_s + 1.0), after / arriving
+    return base, (split_s, 1e9), arriving / after
+
+
+def phased_simulation(
+    run_at: Callable[[float, tuple[float, float] | None, float], tuple[Any, _T]],
+    target: PhaseGaps,
+    client: ClientView,
+) -> tuple[tuple[Any, _T], tuple[float, float]] | None:
+    """``run_at(scale, slow span, speed in it)``'s result at the two step-time scales (one
+    while requests arrive, one after) whose simulated streams have the real run's mean gaps
+    in each phase (``target``, :func:`real_phase_gaps`), and those scales.
+
+    :func:`paced_simulation` finds one scale for a whole run; on this machine a run at times
+    went 1.5x slower while its 160 requests were sent than after (vLLM's server, overload: its
+    first streams 11.6 ms between tokens, those after 6-7 ms, in two repeats of one run, and
+    not in a run an hour later), and one scale then has the first streams too fast and the
+    next ones admitted too early. The same rule per phase: ``scale *= real / simulated`` until
+    both agree within :data:`PACE_TOLERANCE`, at most :data:`PHASE_TRIALS` runs, within
+    :data:`PACE_BOUNDS`. Which requests wait, and how long, is still predicted. None where a
+    simulated phase has too few streams to measure (the caller paces the run as one)."""
+    arriving = after = 1.0
+    for trial in range(PHASE_TRIALS):
+        base, span, speed = phase_span(arriving, after, target.split_s)
+        out = run_at(base, span if speed < 1.0 else None, speed)
+        got = sim_phase_gaps(out[0].request_records, client, target.split_s)
+        if got is None:
+            return None
+        if trial == PHASE_TRIALS - 1:
+            return out, (arriving, after)
+        r1, r2 = target.arriving / got.arriving, target.after / got.after
+        if abs(r1 - 1.0) <= PACE_TOLERANCE and abs(r2 - 1.0) <= PACE_TOLERANCE:
+            return out, (arriving, after)
+        arriving = min(max(arriving * r1, PACE_BOUNDS[0]), PACE_BOUNDS[1])
+        after = min(max(after * r2, PACE_BOUNDS[0]), PACE_BOUNDS[1])
     raise AssertionError("unreachable")
 
 
@@ -759,6 +904,10 @@ class Replay:
     #: a budgeted server's engine profile fitted from its steps in this run alone
     #: (:func:`stretch_profiles`; ``--pace run``)
     profiles: dict[str, dict[str, EngineProfile]] = field(default_factory=dict)
+    #: the mean gap between tokens of the streams whose middle came while requests were
+    #: still being sent and of those after, and when the last was sent
+    #: (:func:`real_phase_gaps`; ``--pace phases``)
+    phase_gaps: dict[str, dict[str, PhaseGaps]] = field(default_factory=dict)
 
 
 def stretch_profiles(path: Path, workload: str, server: str) -> list[EngineProfile | None]:
@@ -790,6 +939,7 @@ def load_replays(path: Path, stretches: bool = False) -> list[Replay]:
         stalls: dict[str, dict[str, list[tuple[float, float]]]] = {}
         gaps: dict[str, dict[str, float]] = {}
         profiles: dict[str, dict[str, EngineProfile]] = {}
+        phases: dict[str, dict[str, PhaseGaps]] = {}
         for (workload, server), reps in runs.items():
             run = reps[min(k, len(reps) - 1)]
             mine = own.get((workload, server)) or []
@@ -807,7 +957,10 @@ def load_replays(path: Path, stretches: bool = False) -> list[Replay]:
             gap = real_stream_gap(recs)
             if gap is not None:
                 gaps.setdefault(workload, {})[server] = gap
-        replays.append(Replay(sent, stalls, gaps, profiles))
+            phase = real_phase_gaps(recs)
+            if phase is not None:
+                phases.setdefault(workload, {})[server] = phase
+        replays.append(Replay(sent, stalls, gaps, profiles, phases))
     return replays
 
 
@@ -947,9 +1100,10 @@ def median_of_runs(
             merged = dict(summary)
             for key in COUNTS:
                 merged[key] = _median([sim[workload][server][key] for sim in sims])
-            scales = [sim[workload][server].get("step_scale") for sim in sims]
-            if None not in scales:
-                merged["step_scale"] = _median([float(x) for x in scales if x is not None])
+            for key in ("step_scale", "arriving_step_scale"):
+                scales = [sim[workload][server].get(key) for sim in sims]
+                if None not in scales:
+                    merged[key] = _median([float(x) for x in scales if x is not None])
             merged["runs"] = len(sims)
             out.setdefault(workload, {})[server] = merged
     return out
@@ -1073,13 +1227,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "clients get tokens as the engine makes them) or fitted from the real "
                         "run's CPU counts (run, where serve_bench counted them; "
                         "docs/benchmarks.md says why it is not the default)")
-    p.add_argument("--pace", choices=("run", "none"), default=PACE_DEFAULT,
+    p.add_argument("--pace", choices=("run", "phases", "none"), default=PACE_DEFAULT,
                    help="vLLM's server's engine: at the pace its own streams show in each "
                         "replayed run (run: the profile's step times scaled until the simulated "
                         "streams' mean gap between tokens is the real run's; needs the run's "
-                        "records), and the example's on its engine profile of each run where "
-                        "serve_bench kept one; or both at the profile's (none)"
-                        f" (default {PACE_DEFAULT})")
+                        "records; phases: one scale while requests are sent and one after, "
+                        "each from the streams of its phase), and the example's on its engine "
+                        "profile of each run where serve_bench kept one; or both at the "
+                        f"profile's (none) (default {PACE_DEFAULT})")
     p.add_argument("--policy", default="calibrated", help="the kvbudget example's policy")
     p.add_argument("--seed", type=int, default=0, help="serve_bench's dataset seed (default 0)")
     p.add_argument("--num-prompts-scale", type=float, default=1.0)
@@ -1181,7 +1336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     send_times = "planned" if opts.send_times == "planned" or not records else "real"
     # each real run replayed with its own client (records come from a run directory)
     replays: list[Replay | None] = (
-        list(load_replays(run_dir, stretches=opts.pace == "run"))
+        list(load_replays(run_dir, stretches=opts.pace != "none"))
         if send_times == "real" and run_dir is not None
         else [None]
     )
@@ -1194,12 +1349,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{1e6 * fe.per_output_s:.1f} us per output (idle {100 * idle:.1f} % of a core)",
               file=sys.stderr)
     front_ends = {server: fe for server, (fe, _) in fitted.items()}
-    paced = PACED_SERVERS if opts.pace == "run" and send_times == "real" else ()
+    paced = PACED_SERVERS if opts.pace != "none" and send_times == "real" else ()
     sim = median_of_runs([
         simulate_workloads(
             opts.workloads, profile=profile, policy=opts.policy, seed=opts.seed,
             scale=opts.num_prompts_scale, tok=tok, bench_args=opts.bench_arg, replay=replay,
-            stall_speed=opts.stall_speed, front_ends=front_ends, paced=paced,
+            stall_speed=opts.stall_speed, front_ends=front_ends, paced=paced, pace=opts.pace,
         )
         for replay in replays
     ])
@@ -1224,6 +1379,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"# {server}'s engine pace from its streams (step-time scale, median of runs): "
               f"{scales}")
+        arriving = ", ".join(
+            f"{w} {sim[w][server]['arriving_step_scale']:g}" for w in sim
+            if "arriving_step_scale" in sim[w].get(server, {})
+        )
+        if arriving:
+            print(f"# {server}'s pace while requests were sent (--pace phases): {arriving}")
     speed = speed_check(result)
     if speed is not None:
         print(f"# engine speed at light load (abandon, vllm): TPOT p50 real "

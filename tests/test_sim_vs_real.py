@@ -460,6 +460,71 @@ def test_the_pace_is_found_from_the_streams_gap() -> None:
     assert fast == svr.PACE_BOUNDS[0]
 
 
+def test_phase_gaps_split_the_streams_by_their_middle() -> None:
+    """``--pace phases``: the streams whose middle came while requests were still sent and
+    those after, each phase's mean gap; too few streams in a phase give none."""
+    streams = [(1.0, 11, 0.5)] * 8 + [(5.0, 11, 0.2)] * 8
+    got = svr.phase_gaps(streams, 4.0)
+    assert got is not None and got.split_s == 4.0
+    assert (got.arriving, got.after) == (pytest.approx(0.05), pytest.approx(0.02))
+    assert svr.phase_gaps(streams[:-1], 4.0) is None  # 7 after
+    assert svr.phase_span(1.5, 1.0, 4.0) == (1.0, (-1.0, 5.0), pytest.approx(1 / 1.5))
+    assert svr.phase_span(1.0, 2.0, 4.0) == (1.0, (4.0, 1e9), 0.5)
+    # 8 streams sent in the first second; the last send 6 s after the first; 8 streams sent
+    # before it whose middle comes after it (a long wait for their first token)
+    recs: list[dict[str, Any]] = [
+        {"outcome": "good", "output_tokens": 11, "start": 10.0 + i / 10, "ttft": 0.1,
+         "latency": 0.6}
+        for i in range(8)
+    ]
+    recs += [{"outcome": "good", "output_tokens": 11, "start": 15.0, "ttft": 1.5,
+              "latency": 1.7}] * 8
+    recs += [{"outcome": "good", "output_tokens": 11, "start": 16.0, "ttft": 0.1,
+              "latency": 0.3}]
+    recs += [{"outcome": "rejected", "output_tokens": 0, "start": 12.0, "ttft": None,
+              "latency": None}]
+    real = svr.real_phase_gaps(recs)
+    assert real is not None and real.split_s == pytest.approx(6.0)
+    assert real.arriving == pytest.approx(0.05) and real.after == pytest.approx(0.02)
+
+
+def test_the_pace_of_each_phase_is_found_from_its_streams() -> None:
+    """``--pace phases``: planted, the overload workload simulated with every step 1.6x as
+    long while its requests are sent and 1.0x after (as vLLM's server ran in one real run);
+    the search, starting from the profile, finds both scales within 10 % and returns the run
+    made at them. One scale for the whole run (``--pace run``) cannot: its first streams come
+    out faster than the planted run's."""
+    profile = svr.EngineProfile.load("vllm-cpu-tiny")
+    plan = svr.plan_workload("overload", 0, TOK)
+    scenario, reqs = svr.sim_requests(plan)
+    split = max(p.arrival_s for p in plan)
+    client = svr.ClientView()
+
+    def run_at(scale: float, slow: Any = None, speed: float = 1.0) -> tuple[Any, float]:
+        engine = svr.scaled_engine(profile.engine_model(), scale)
+        spans = () if slow is None else ((*slow, speed),)
+        result = svr.simulate(reqs, scenario, engine, "reserve-current", keep_requests=True,
+                              stalls=spans)
+        return result, scale
+
+    base, span, speed = svr.phase_span(1.6, 1.0, split)
+    planted = run_at(base, span, speed)[0].request_records
+    target = svr.sim_phase_gaps(planted, client, split)
+    assert target is not None and target.arriving > 1.3 * target.after
+    found = svr.phased_simulation(run_at, target, client)
+    assert found is not None
+    (result, _), (arriving, after) = found
+    assert arriving == pytest.approx(1.6, rel=0.1) and after == pytest.approx(1.0, rel=0.1)
+    got = svr.sim_phase_gaps(result.request_records, client, split)
+    assert got is not None and got.arriving == pytest.approx(target.arriving, rel=0.05)
+    first = min(planted, key=lambda r: r.arrival_s)
+    (one, _), _scale = svr.paced_simulation(run_at, svr.sim_stream_gap(planted, client) or 0.0,
+                                            client)
+    one_first = min(one.request_records, key=lambda r: r.arrival_s)
+    assert one_first.tpot_s is not None and first.tpot_s is not None
+    assert one_first.tpot_s < 0.9 * first.tpot_s
+
+
 def test_only_vllms_server_is_paced_by_default_and_each_run_says_its_scale(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -478,8 +543,8 @@ def test_only_vllms_server_is_paced_by_default_and_each_run_says_its_scale(
             {"summary": _summary(30, 0), "records": records}
         ))
     assert svr.load_replays(tmp_path)[0].gaps["burst"]["vllm"] == pytest.approx(3.0 / 299)
-    assert svr.parse_args([]).pace == "run"
-    for pace, vllm_scaled in (("run", True), ("none", False)):
+    assert svr.parse_args([]).pace == "phases"
+    for pace, vllm_scaled in (("phases", True), ("run", True), ("none", False)):
         assert svr.main(["--real", str(tmp_path), "--workload", "burst", "--pace", pace]) == 0
         out = _last_json(capsys.readouterr().out)
         burst = out["workloads"]["burst"]
