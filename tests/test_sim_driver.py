@@ -223,18 +223,24 @@ def test_the_cost_model_learns_the_engines_prefill_as_over_vllm() -> None:
     )
 
 
+def _one_prefill_of_100(output_tokens: int) -> tuple[SimRequest, Scenario, float]:
+    """One interactive request of 100 prompt tokens at 0, its scenario, and the seconds of its
+    prefill step on ``SMALL_ENGINE`` (fixed + 100 prompt tokens)."""
+    trace = Workload(name="one", requests=[TraceRequest(arrival_s=0.0, prompt_tokens=100,
+                                                        output_tokens=output_tokens)])
+    sc = Scenario(interactive_share=1.0, abandon_share=0.0)
+    (req,) = apply_scenario(trace, sc)
+    step = SMALL_ENGINE.step
+    return req, sc, step.fixed_s + 100 * step.prefill_per_token_s
+
+
 @pytest.mark.parametrize("speed", [0.0, 0.3, 1.0])
 def test_a_machine_stall_slows_the_steps_it_meets(speed: float) -> None:
     """A span in which the machine ran at ``speed`` of its own: the prefill step that meets it
     takes what the span withheld longer (all of it at 0); steps before and after are the step
     model's. Here the first token's prefill step (fixed + 100 prompt tokens) starts at 0 and a
     stall spans [half of it, half of it + 1 s)."""
-    trace = Workload(name="one", requests=[TraceRequest(arrival_s=0.0, prompt_tokens=100,
-                                                        output_tokens=10)])
-    sc = Scenario(interactive_share=1.0, abandon_share=0.0)
-    (req,) = apply_scenario(trace, sc)
-    step = SMALL_ENGINE.step
-    prefill = step.fixed_s + 100 * step.prefill_per_token_s
+    req, sc, prefill = _one_prefill_of_100(output_tokens=10)
     r = simulate([req], sc, SMALL_ENGINE, "reserve-max", keep_requests=True,
                  stalls=[(prefill / 2, 1.0)], stall_speed=speed)
     (rec,) = r.request_records
@@ -267,12 +273,7 @@ def test_spans_of_their_own_speed_slow_the_steps_each_at_its_own() -> None:
     its work takes half of it, and the rest runs at 0.25 until done. A pair keeps
     ``stall_speed``; overlapping spans, a speed above 1 and a malformed span are typed
     errors."""
-    trace = Workload(name="one", requests=[TraceRequest(arrival_s=0.0, prompt_tokens=100,
-                                                        output_tokens=2)])
-    sc = Scenario(interactive_share=1.0, abandon_share=0.0)
-    (req,) = apply_scenario(trace, sc)
-    step = SMALL_ENGINE.step
-    prefill = step.fixed_s + 100 * step.prefill_per_token_s
+    req, sc, prefill = _one_prefill_of_100(output_tokens=2)
     first = prefill / 2  # half speed: a quarter of the work done in it
     spans = [(0.0, first, 0.5), (first, 100.0, 0.25)]
     r = simulate([req], sc, SMALL_ENGINE, "reserve-max", keep_requests=True, stalls=spans)
