@@ -129,9 +129,7 @@ and ``spread`` ([min, max]). ``--out DIR`` keeps the server and client logs and 
 per-request records (JSON), and for each budgeted server its engine profile fitted from the
 steps of the whole process (``engine-profile-SERVER.json``) and of each run alone
 (``engine-profile-SERVER-WORKLOAD-rK.json``, from ``/kvbudget/engine-profile?since=&until=``:
-sim_vs_real replays each run at the pace the engine had in it), and of each run's two phases,
-until the client's last send and after (``...-rK-arriving.json``, ``...-rK-after.json``; a phase
-with too few engine steps has none).
+sim_vs_real replays each run at the pace the engine had in it).
 """
 
 from __future__ import annotations
@@ -1468,24 +1466,10 @@ def run_workload(
     run.counters = {k: _delta(after.get(k), before.get(k)) for k in after}
     # the engine's pace in this run alone (the machine's drifts 20-30 % from run to run):
     # sim_vs_real replays the run on it
-    end = time.monotonic()
-    profile = srv.engine_profile(t0, end)
+    profile = srv.engine_profile(t0, time.monotonic())
     if profile is not None:
         path = out_dir / f"engine-profile-{srv.spec.name}-{workload.name}-r{rep}.json"
         path.write_text(json.dumps(profile, indent=1), encoding="utf-8")
-        # and in its two phases, split when the client sent its last request (the engine ran
-        # up to 1.6x slower while requests came in than after, in some runs)
-        sends = [rec.start for rec in run.records if rec.start]
-        # (the records' clock is time.perf_counter(), the profiles' time.monotonic())
-        mono, perf = time.monotonic(), time.perf_counter()
-        split = mono - (perf - max(sends)) if sends else None
-        for phase, (since, until) in (("arriving", (t0, split)), ("after", (split, end))):
-            part = srv.engine_profile(since, until) if split is not None else None
-            if part is not None:
-                path = out_dir / (
-                    f"engine-profile-{srv.spec.name}-{workload.name}-r{rep}-{phase}.json"
-                )
-                path.write_text(json.dumps(part, indent=1), encoding="utf-8")
     if run.error:
         print(f"! {workload.name} on {srv.spec.name}: {run.error}\n--- client log tail:\n"
               f"{tail(log_path, 30)}\n--- server log tail:\n{tail(srv.log_path, 30)}",

@@ -88,11 +88,8 @@ then had the first streams finish early and the next ones admitted in time. Over
 example is not paced by its streams (its gaps hold its own pauses, which are the policy's doing, not
 the engine's pace): where serve_bench kept the example's engine profile of each run (fitted from
 its engine's steps in that run alone, ``engine-profile-kvbudget-<workload>-r<k>.json``,
-:func:`stretch_profiles`), each repeat runs on its own; else on the run's. With ``--pace
-phases`` and the profiles of the run's two phases (fitted from the steps until the client's last
-send and from those after, ``...-r<k>-arriving.json`` / ``-after.json``,
-:func:`phase_profiles`), the repeat runs on the first until that send and on the second after it
-(the simulator's ``step_changes``). ``--pace none`` runs both at the run's profile's pace.
+:func:`stretch_profiles`), each repeat runs on its own; else on the run's. ``--pace none`` runs
+both at the run's profile's pace.
 
 The servers' front ends (``--front-end run``; off by default). serve_bench counts the CPU time
 of each server's front-end process over each workload; :func:`front_ends_of` fits each server's
@@ -189,9 +186,8 @@ NOTES = (
     "tokens is the real one's; --pace run: one factor): its API server's work around each "
     "step, its CPU contention with the engine core and the machine's speed in its stretch come "
     "in as those factors, not as their own shapes; the example's engine runs on "
-    "the profiles fitted from its steps in each repeat's two phases where serve_bench kept "
-    "them (else on the repeat's, which averages over its phases, else on the run's); where the "
-    "client's stalls were "
+    "the profile fitted from its steps in each repeat where serve_bench kept one (else the "
+    "run's), which still averages over the repeat's phases; where the client's stalls were "
     "recorded, the engine is taken to run at --stall-speed in them, one figure for every stall "
     "(fitted, not measured)",
     "the servers' front ends are not modelled unless --front-end run (measured here at 18-40 % "
@@ -553,7 +549,6 @@ def simulate_workloads(
         planned = sim_requests(plan)
         per: dict[str, dict[str, Any]] = {}
         own = replay.profiles.get(name, {}) if replay is not None else {}
-        two = replay.phase_profiles.get(name, {}) if replay is not None else {}
         for server in SERVERS:
             engine_of = engines[server]
             if server in own:  # this run's own engine pace, from its own steps
@@ -561,16 +556,6 @@ def simulate_workloads(
                     own[server].engine_model(), front_end=engines[server].front_end
                 )
             sent = send_times.get(name, {}).get(server)
-            # --pace phases: a budgeted server's engine on its profile while requests were
-            # sent, then on its profile after (each fitted from its own steps in that phase)
-            changes: tuple[tuple[float, StepTimeModel], ...] = ()
-            stalled = replay is not None and bool(replay.stalls.get(name, {}).get(server))
-            if pace == "phases" and server in two and sent and not stalled:
-                arriving, after = two[server]
-                engine_of = attrs.evolve(
-                    arriving.engine_model(), front_end=engines[server].front_end
-                )
-                changes = ((max(sent.values()), after.step),)
             scenario, reqs = (
                 planned if not sent else sim_requests(with_send_times(plan, sent))
             )
@@ -582,7 +567,6 @@ def simulate_workloads(
                 slow_speed: float = 1.0, server: str = server, scenario: Scenario = scenario,
                 reqs: Sequence[SimRequest] = reqs, stalls: Any = stalls,
                 engine_of: EngineModel = engine_of,
-                changes: tuple[tuple[float, StepTimeModel], ...] = changes,
             ) -> tuple[Any, tuple[LengthModel, CostModel]]:
                 # every trial starts from the models carried so far, and only the run kept
                 # carries its own on to the next workload
@@ -597,7 +581,7 @@ def simulate_workloads(
                 result = simulate(
                     reqs, scenario, engine, policies[server], seed=seed,
                     keep_requests=True, lengths=lengths, cost=cost, stalls=spans,
-                    stall_speed=speed, step_changes=changes,
+                    stall_speed=speed,
                 )
                 return result, (lengths, cost)
 
@@ -621,10 +605,7 @@ def simulate_workloads(
             summary["step_scale"] = round(step_scale, 3)
             if arriving_scale is not None:
                 summary["arriving_step_scale"] = round(arriving_scale, 3)
-            summary["engine_profile"] = (
-                "this run's, per phase" if changes
-                else "this run's" if server in own else "the run's"
-            )
+            summary["engine_profile"] = "this run's" if server in own else "the run's"
             summary["policy"] = result.policy
             summary["engine_preemptions"] = result.preemptions
             summary["rejections_by_reason"] = dict(result.rejections_by_reason)
@@ -927,11 +908,6 @@ class Replay:
     #: still being sent and of those after, and when the last was sent
     #: (:func:`real_phase_gaps`; ``--pace phases``)
     phase_gaps: dict[str, dict[str, PhaseGaps]] = field(default_factory=dict)
-    #: a budgeted server's engine profiles fitted from its steps in this run while requests
-    #: were sent and after (:func:`phase_profiles`; ``--pace phases``)
-    phase_profiles: dict[str, dict[str, tuple[EngineProfile, EngineProfile]]] = field(
-        default_factory=dict
-    )
 
 
 def stretch_profiles(path: Path, workload: str, server: str) -> list[EngineProfile | None]:
@@ -948,26 +924,6 @@ def stretch_profiles(path: Path, workload: str, server: str) -> list[EngineProfi
     return out
 
 
-def phase_profiles(
-    path: Path, workload: str, server: str
-) -> list[tuple[EngineProfile, EngineProfile] | None]:
-    """The engine profiles serve_bench fetched after each run of ``workload`` on the budgeted
-    ``server`` for its two phases (``engine-profile-<server>-<workload>-r<k>-arriving.json``
-    and ``-after.json``: the steps until the client's last send and after), by run; None where
-    a run lacks either (older runs, or a phase with too few steps)."""
-    out: list[tuple[EngineProfile, EngineProfile] | None] = []
-    k = 0
-    while (path / f"records-{workload}-{server}-r{k}.json").exists():
-        stem = f"engine-profile-{server}-{workload}-r{k}"
-        files = [path / f"{stem}-{phase}.json" for phase in ("arriving", "after")]
-        out.append(
-            (EngineProfile.load(files[0]), EngineProfile.load(files[1]))
-            if all(f.exists() for f in files) else None
-        )
-        k += 1
-    return out
-
-
 def load_replays(path: Path, stretches: bool = False) -> list[Replay]:
     """One :class:`Replay` per repeat of a serve_bench ``--out`` directory (a server with fewer
     repeats repeats its last; none for a JSON file). ``stretches``: with each budgeted
@@ -977,9 +933,6 @@ def load_replays(path: Path, stretches: bool = False) -> list[Replay]:
     own = {
         key: stretch_profiles(path, *key) for key in runs if stretches and key[1] != "vllm"
     }
-    phased = {
-        key: phase_profiles(path, *key) for key in runs if stretches and key[1] != "vllm"
-    }
     replays = []
     for k in range(count):
         sent: dict[str, dict[str, dict[int, float]]] = {}
@@ -987,17 +940,12 @@ def load_replays(path: Path, stretches: bool = False) -> list[Replay]:
         gaps: dict[str, dict[str, float]] = {}
         profiles: dict[str, dict[str, EngineProfile]] = {}
         phases: dict[str, dict[str, PhaseGaps]] = {}
-        two: dict[str, dict[str, tuple[EngineProfile, EngineProfile]]] = {}
         for (workload, server), reps in runs.items():
             run = reps[min(k, len(reps) - 1)]
             mine = own.get((workload, server)) or []
             profile = mine[min(k, len(mine) - 1)] if mine else None
             if profile is not None:
                 profiles.setdefault(workload, {})[server] = profile
-            halves = phased.get((workload, server)) or []
-            pair = halves[min(k, len(halves) - 1)] if halves else None
-            if pair is not None:
-                two.setdefault(workload, {})[server] = pair
             recs = run.get("records") or []
             if not recs:
                 continue
@@ -1012,7 +960,7 @@ def load_replays(path: Path, stretches: bool = False) -> list[Replay]:
             phase = real_phase_gaps(recs)
             if phase is not None:
                 phases.setdefault(workload, {})[server] = phase
-        replays.append(Replay(sent, stalls, gaps, profiles, phases, two))
+        replays.append(Replay(sent, stalls, gaps, profiles, phases))
     return replays
 
 

@@ -373,68 +373,6 @@ def test_each_repeat_of_the_example_runs_on_its_own_engine_profile(
     assert runs[1]["tpot_p50_ms"] > 1.6 * runs[0]["tpot_p50_ms"]
 
 
-def test_the_example_runs_on_its_profile_of_each_phase(tmp_path: pathlib.Path) -> None:
-    """Where serve_bench kept the example's engine profiles of a run's two phases (until the
-    client's last send, and after), ``--pace phases`` runs it on the first and then on the
-    second: planted, an engine twice as slow while the requests came in; the first streams
-    come out about twice as slow as on the after profile alone, the last ones as fast. A run
-    with only one of the two files, and ``--pace run``, use the profile of the whole run."""
-    from kvbudget.sim.profile import EngineProfile
-
-    shipped = EngineProfile.load(svr.DEFAULT_PROFILE)
-    slow = svr.scaled(shipped, 2.0)
-    plan = svr.plan_workload("overload", 0, TOK)
-    for k in range(2):
-        records = [
-            {"request_id": f"sb-kvbudget-overload-r{k}-abc-{p.index}", "start": 10.0 + p.arrival_s,
-             "prompt_len": p.prompt_tokens, "output_len": p.output_tokens}
-            for p in plan
-        ]
-        (tmp_path / f"records-overload-kvbudget-r{k}.json").write_text(json.dumps(
-            {"summary": _summary(160, 0), "records": records, "client_stalls": []}
-        ))
-        (tmp_path / f"engine-profile-kvbudget-overload-r{k}.json").write_text(
-            json.dumps(shipped.to_dict())
-        )
-        (tmp_path / f"engine-profile-kvbudget-overload-r{k}-arriving.json").write_text(
-            json.dumps(slow.to_dict())
-        )
-    (tmp_path / "engine-profile-kvbudget-overload-r0-after.json").write_text(
-        json.dumps(shipped.to_dict())
-    )
-    pairs = svr.phase_profiles(tmp_path, "overload", "kvbudget")
-    assert pairs[0] is not None and pairs[1] is None
-    assert pairs[0][0].step.fixed_s == pytest.approx(2 * shipped.step.fixed_s)
-    replays = svr.load_replays(tmp_path, stretches=True)
-    assert "kvbudget" in replays[0].phase_profiles["overload"]
-    assert replays[1].phase_profiles == {}
-
-    captured: list[Any] = []
-    summarize = svr.summarize_sim
-
-    def keep(records: Any, client: Any = svr._NO_STALLS) -> dict[str, Any]:
-        captured.append(list(records))
-        return summarize(records, client)
-
-    def first_and_last_tpot(pace: str, replay: Any) -> tuple[float, float, str]:
-        captured.clear()
-        svr.summarize_sim = keep  # type: ignore[assignment]
-        try:
-            out = svr.simulate_workloads(["overload"], profile=shipped, replay=replay,
-                                         pace=pace)["overload"]["kvbudget"]
-        finally:
-            svr.summarize_sim = summarize  # type: ignore[assignment]
-        recs = sorted((r for r in captured[-1] if r.tpot_s), key=lambda r: r.arrival_s)
-        return recs[0].tpot_s, recs[-1].tpot_s, out["engine_profile"]
-
-    phased = first_and_last_tpot("phases", replays[0])
-    whole = first_and_last_tpot("run", replays[0])
-    assert phased[2] == "this run's, per phase" and whole[2] == "this run's"
-    assert phased[0] > 1.5 * whole[0]
-    assert phased[1] == pytest.approx(whole[1], rel=0.35)
-    assert first_and_last_tpot("phases", replays[1])[2] == "this run's"
-
-
 def test_a_stalled_client_reads_what_came_meanwhile_when_the_stall_ends() -> None:
     """A stream served in time whose tokens came while the client was stalled is timed as that
     client read it: a first token at 1.5 s read at the end of a 1.0-2.5 s stall is 2.5 s late;
