@@ -291,34 +291,6 @@ def test_spans_of_their_own_speed_slow_the_steps_each_at_its_own() -> None:
             simulate([req], sc, SMALL_ENGINE, "reserve-max", stalls=bad)  # type: ignore[arg-type]
 
 
-def test_the_engine_pace_may_change_at_given_times() -> None:
-    """``step_changes``: from a given time the steps take another step-time model's time; a
-    step takes the model of its start. Hand-worked on one request: a model twice as slow from
-    before the start doubles every time; from halfway through the prefill step, only the decode
-    steps double (the prefill step began before the change). Malformed changes are typed
-    errors."""
-    import attrs
-
-    req, sc, prefill = _one_prefill_of_100(output_tokens=10)
-    step = SMALL_ENGINE.step
-    slow = attrs.evolve(step, fixed_s=2 * step.fixed_s, per_seq_s=2 * step.per_seq_s,
-                        per_context_token_s=2 * step.per_context_token_s,
-                        prefill_per_token_s=2 * step.prefill_per_token_s)
-    plain = simulate([req], sc, SMALL_ENGINE, "reserve-max", keep_requests=True)
-    doubled = simulate([req], sc, SMALL_ENGINE, "reserve-max", keep_requests=True,
-                       step_changes=[(-1.0, slow)])
-    after = simulate([req], sc, SMALL_ENGINE, "reserve-max", keep_requests=True,
-                     step_changes=[(prefill / 2, slow)])
-    (p,), (d,), (a,) = plain.request_records, doubled.request_records, after.request_records
-    assert p.ttft_s == pytest.approx(prefill) and d.ttft_s == pytest.approx(2 * prefill)
-    assert a.ttft_s == pytest.approx(prefill)
-    assert p.tpot_s is not None and d.tpot_s is not None and a.tpot_s is not None
-    assert d.tpot_s == pytest.approx(2 * p.tpot_s) and a.tpot_s == pytest.approx(2 * p.tpot_s)
-    for bad in ([(0.0,)], [(0.0, "slow")], [(float("nan"), slow)], [3.0]):
-        with pytest.raises(InvalidInput):
-            simulate([req], sc, SMALL_ENGINE, "reserve-max", step_changes=bad)  # type: ignore[arg-type]
-
-
 def test_the_front_end_delays_what_clients_get_as_a_one_thread_queue() -> None:
     """Hand-worked: one request alone. The front end takes it in (per_request) before the
     scheduler sees it, so its prefill starts then; every token reaches the client per_output

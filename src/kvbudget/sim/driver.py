@@ -110,7 +110,7 @@ import attrs
 
 from kvbudget.core import events as ev
 from kvbudget.core.config import SchedulerConfig
-from kvbudget.core.cost import CostModel, StepTimeModel
+from kvbudget.core.cost import CostModel
 from kvbudget.core.lengths import LengthModel
 from kvbudget.core.model import RequestSpec
 from kvbudget.core.policy import OraclePolicy, Policy, make_policy
@@ -279,11 +279,8 @@ class _Sim:
         cost: CostModel | None = None,
         stalls: Sequence[tuple[float, float] | tuple[float, float, float]] = (),
         stall_speed: float = 0.0,
-        step_changes: Sequence[tuple[float, StepTimeModel]] = (),
     ) -> None:
         self.keep_requests = keep_requests
-        #: (from when, step-time model) pairs, in time order: the engine's pace changing
-        self.step_changes = _step_changes(step_changes)
         self.stall_speed = check_float("stall_speed", stall_speed, maximum=1.0)
         #: (begin, seconds, speed) spans, sorted, in which the machine ran at that speed
         self.machine_stalls = _speed_spans(stalls, self.stall_speed)
@@ -708,8 +705,6 @@ class _Sim:
             st.prefill_per_token_s,
         )
         chunk = engine.prefill_chunk_tokens
-        changes = self.step_changes
-        change_at = changes[0][0] if changes else math.inf
         machine_stalls = self.machine_stalls
         tick_s = engine.tick_s
         cap_blocks = engine.capacity.blocks
@@ -832,16 +827,6 @@ class _Sim:
                 area_used += ledger.used * (t_next - now)
                 now = t_next
                 continue
-            if now >= change_at:  # the engine's pace changes from here on
-                while changes and changes[0][0] <= now:
-                    st = changes.pop(0)[1]
-                    fixed, per_seq, per_ctx, per_pre = (
-                        st.fixed_s,
-                        st.per_seq_s,
-                        st.per_context_token_s,
-                        st.prefill_per_token_s,
-                    )
-                change_at = changes[0][0] if changes else math.inf
             ctx = self.ctx_total
             decode_s = fixed + per_seq * nb + per_ctx * ctx if nb else 0.0
             dt = decode_s + per_pre * pre_tokens + (fixed if nb == 0 else 0.0)
@@ -1101,24 +1086,6 @@ def _speed_spans(
     return spans
 
 
-def _step_changes(
-    changes: Sequence[tuple[float, StepTimeModel]],
-) -> list[tuple[float, StepTimeModel]]:
-    """``changes`` checked and in time order (a fresh list: the run consumes it)."""
-    out: list[tuple[float, StepTimeModel]] = []
-    for i, change in enumerate(changes):
-        if (
-            not isinstance(change, tuple | list)
-            or len(change) != 2
-            or not isinstance(change[1], StepTimeModel)
-        ):
-            raise InvalidInput(f"step_changes[{i}]", change, "(seconds, a StepTimeModel)")
-        out.append((check_float(f"step_changes[{i}] at", change[0], minimum=-math.inf),
-                    change[1]))
-    out.sort(key=lambda c: c[0])
-    return out
-
-
 def simulate(
     requests: Sequence[SimRequest],
     scenario: Scenario,
@@ -1134,7 +1101,6 @@ def simulate(
     cost: CostModel | None = None,
     stalls: Sequence[tuple[float, float] | tuple[float, float, float]] = (),
     stall_speed: float = 0.0,
-    step_changes: Sequence[tuple[float, StepTimeModel]] = (),
 ) -> PolicyResult:
     """Replay ``requests`` (from :func:`~kvbudget.sim.scenario.apply_scenario`) through one policy.
 
@@ -1152,9 +1118,6 @@ def simulate(
     ``stall_speed`` of its speed (0: nothing at all; a step that meets one lasts longer, while
     the clock, arrivals and ticks go on), as a busy 2-core VM is sometimes barely scheduled; a
     span ``(begin, seconds, speed)`` runs at its own speed (0-1); spans must not overlap.
-    ``step_changes``: ``(seconds, StepTimeModel)`` pairs: from that time on the engine's steps
-    take that model's time instead of ``engine.step``'s (an engine measured in phases, e.g. one
-    profile while requests arrive and one after); a step takes the model of its start.
     Deterministic for given inputs.
     """
     sim = _Sim(
@@ -1171,7 +1134,6 @@ def simulate(
         cost,
         stalls,
         stall_speed,
-        step_changes,
     )
     return sim.run()
 
