@@ -637,27 +637,52 @@ def mean_gap(streams: Sequence[tuple[int, float]]) -> float | None:
     return sum(span for n, span in streams if n >= 2) / gaps
 
 
+def real_streams(recs: Sequence[Mapping[str, Any]]) -> list[tuple[float, int, float]]:
+    """One real run's completed streams (good or late) as the client timed them: ``(middle,
+    tokens, seconds from the first token to the last)`` each, ``middle`` on a clock that
+    starts at the run's first send (a record without its send time is taken as sent then:
+    its span, which the mean gap reads, does not depend on it)."""
+    if not recs:
+        return []
+    t0 = min(float(r.get("start", 0.0)) for r in recs)
+    streams = []
+    for r in recs:
+        if (r.get("outcome") not in ("good", "late") or not r.get("output_tokens")
+                or r.get("latency") is None or r.get("ttft") is None):
+            continue
+        sent = float(r.get("start", t0)) - t0
+        first = sent + float(r["ttft"])
+        last = sent + float(r["latency"])
+        streams.append(((first + last) / 2, int(r["output_tokens"]), last - first))
+    return streams
+
+
+def sim_streams(
+    records: Sequence[RequestRecord], client: ClientView
+) -> list[tuple[float, int, float]]:
+    """A simulated run's completed streams (good or late) as ``client`` times them, as
+    :func:`real_streams` gives a real run's (the simulation's clock starts at the first send,
+    as the replayed run's)."""
+    streams = []
+    for rec in records:
+        if classify_sim(rec, client) not in ("good", "late"):
+            continue
+        ttft, tpot = client.timing(rec)
+        if ttft is None or tpot is None:
+            continue
+        span = tpot * max(rec.output_tokens - 1, 0)
+        streams.append((rec.arrival_s + ttft + span / 2, rec.output_tokens, span))
+    return streams
+
+
 def real_stream_gap(recs: Sequence[Mapping[str, Any]]) -> float | None:
-    """:func:`mean_gap` of one real run's completed streams (good or late), as the client
-    timed them."""
-    return mean_gap([
-        (int(r["output_tokens"]), float(r["latency"]) - float(r["ttft"]))
-        for r in recs
-        if r.get("outcome") in ("good", "late") and r.get("output_tokens")
-        and r.get("latency") is not None and r.get("ttft") is not None
-    ])
+    """:func:`mean_gap` of one real run's completed streams (:func:`real_streams`)."""
+    return mean_gap([(n, span) for _, n, span in real_streams(recs)])
 
 
 def sim_stream_gap(records: Sequence[RequestRecord], client: ClientView) -> float | None:
-    """:func:`mean_gap` of a simulated run's completed streams (good or late), as ``client``
-    times them."""
-    streams = []
-    for rec in records:
-        if classify_sim(rec, client) in ("good", "late"):
-            _ttft, tpot = client.timing(rec)
-            if tpot is not None:
-                streams.append((rec.output_tokens, tpot * max(rec.output_tokens - 1, 0)))
-    return mean_gap(streams)
+    """:func:`mean_gap` of a simulated run's completed streams (:func:`sim_streams`)."""
+    return mean_gap([(n, span) for _, n, span in sim_streams(records, client)])
 
 
 def scaled_engine(engine: EngineModel, factor: float) -> EngineModel:
@@ -727,39 +752,19 @@ def phase_gaps(streams: Sequence[tuple[float, int, float]], split_s: float) -> P
 
 
 def real_phase_gaps(recs: Sequence[Mapping[str, Any]]) -> PhaseGaps | None:
-    """:func:`phase_gaps` of one real run's completed streams, as the client timed them, on a
-    clock that starts at its first send."""
+    """:func:`phase_gaps` of one real run's completed streams (:func:`real_streams`), split
+    when its client sent its last request."""
     if not recs:
         return None
-    t0 = min(float(r["start"]) for r in recs)
-    split = max(float(r["start"]) for r in recs) - t0
-    streams = []
-    for r in recs:
-        if (r.get("outcome") not in ("good", "late") or not r.get("output_tokens")
-                or r.get("latency") is None or r.get("ttft") is None):
-            continue
-        first = float(r["start"]) - t0 + float(r["ttft"])
-        last = float(r["start"]) - t0 + float(r["latency"])
-        streams.append(((first + last) / 2, int(r["output_tokens"]), last - first))
-    return phase_gaps(streams, split)
+    split = max(float(r["start"]) for r in recs) - min(float(r["start"]) for r in recs)
+    return phase_gaps(real_streams(recs), split)
 
 
 def sim_phase_gaps(
     records: Sequence[RequestRecord], client: ClientView, split_s: float
 ) -> PhaseGaps | None:
-    """:func:`phase_gaps` of a simulated run's completed streams, as ``client`` times them
-    (the simulation's clock starts at the first send, as the replayed run's)."""
-    streams = []
-    for rec in records:
-        if classify_sim(rec, client) not in ("good", "late"):
-            continue
-        ttft, tpot = client.timing(rec)
-        if ttft is None or tpot is None:
-            continue
-        first = rec.arrival_s + ttft
-        span = tpot * max(rec.output_tokens - 1, 0)
-        streams.append((first + span / 2, rec.output_tokens, span))
-    return phase_gaps(streams, split_s)
+    """:func:`phase_gaps` of a simulated run's completed streams (:func:`sim_streams`)."""
+    return phase_gaps(sim_streams(records, client), split_s)
 
 
 #: ``--pace phases``: at most this many simulations to find the two phases' scales
@@ -902,7 +907,7 @@ class Replay:
     #: the mean gap between tokens of the run's completed streams (:func:`real_stream_gap`)
     gaps: dict[str, dict[str, float]] = field(default_factory=dict)
     #: a budgeted server's engine profile fitted from its steps in this run alone
-    #: (:func:`stretch_profiles`; ``--pace run``)
+    #: (:func:`stretch_profiles`; ``--pace run`` and ``phases``)
     profiles: dict[str, dict[str, EngineProfile]] = field(default_factory=dict)
     #: the mean gap between tokens of the streams whose middle came while requests were
     #: still being sent and of those after, and when the last was sent
