@@ -239,7 +239,9 @@ def test_loop_lag_counts_the_time_the_clients_loop_did_not_run() -> None:
     assert 0.25 <= got["client_max_stall_s"] <= 0.6
     assert got["client_stall_s"] == got["client_max_stall_s"]
     begin, length = stalls[0]
-    assert 0.03 <= begin - t0 <= 0.3 and length == pytest.approx(got["client_max_stall_s"], 0.01)
+    assert 0.03 <= begin - t0 <= 0.3
+    # the summary rounds to 10 ms, so the raw length is within half of that
+    assert length == pytest.approx(got["client_max_stall_s"], abs=0.005)
     asyncio.run(run(0.0))
     assert lag.take() == []
     assert sb.stall_figures([]) == {
