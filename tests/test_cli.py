@@ -108,6 +108,21 @@ def test_turn_away_late_first_tokens_flag(tmp_path: Path) -> None:
     assert on["ttft_p99_s"] < off["ttft_p99_s"]
 
 
+def test_first_token_quantile_flag(tmp_path: Path) -> None:
+    """The flag reaches the scheduler and is recorded in the JSON; bad values are refused."""
+    args = ["simulate", "--limit", "200", "--quiet", "--policy", "calibrated"]
+    docs = {}
+    for setting in ("off", "0.9"):
+        out_json = tmp_path / f"ft-{setting}.json"
+        assert main([*args, "--first-token-quantile", setting, "--json", str(out_json)]) == 0
+        docs[setting] = json.loads(out_json.read_text())
+    assert docs["off"]["scenario"]["first_token_quantile"] is None
+    assert docs["0.9"]["scenario"]["first_token_quantile"] == 0.9
+    for bad in ("0", "1", "nan", "x"):
+        with pytest.raises(SystemExit):
+            main(["simulate", "--first-token-quantile", bad])
+
+
 def test_deadline_service_quantile_flag(tmp_path: Path) -> None:
     """The flag reaches the scheduler and is recorded in the JSON: under overload with a short
     batch deadline, on turns away the batch callers that could no longer finish in time, where

@@ -987,6 +987,38 @@ def test_queued_caller_turned_away_once_a_first_token_in_time_is_impossible() ->
     assert of(out, ev.Admit, "now")
 
 
+def test_queued_caller_is_turned_away_by_the_tail_of_first_token_times_not_their_mean() -> None:
+    """``first_token_quantile``: a queued caller under a first-token objective is turned away
+    at the objective less the time to a first token at that quantile: the learned line (a
+    mean) plus how late recent first tokens came after it. At the mean, a caller admitted at
+    its last moment gets a late first token every other time."""
+    from kvbudget.core.cost import CostModel, StepTimeModel
+
+    cls = ServiceClass("interactive", priority=0, protected=True, preemptible=False,
+                       ttft_slo_s=2.0, max_queue_delay_s=10.0)
+
+    def expiry(q: float | None) -> float:
+        cost = CostModel(StepTimeModel(fixed_s=0.01, per_seq_s=0.0, per_context_token_s=0.0,
+                                       prefill_per_token_s=1e-4))
+        for i in range(40):  # 100 ms or 300 ms after admission, whatever the prompt
+            cost.observe_first_token(100 * (1 + i % 5), 0.1 if i % 2 else 0.3)
+        assert cost.predict_first_token(100) == pytest.approx(0.2, abs=0.02)
+        assert cost.first_token_margin(0.9) == pytest.approx(0.1, abs=0.02)
+        s = Scheduler(Capacity(64, 16), classes=(cls,), policy=ReserveMaxFront(), cost=cost,
+                      config=SchedulerConfig(first_token_quantile=q))
+        s.arrive("hog", spec(prompt=100, max_tokens=900, cls="interactive"), 0.0)
+        s.charge("hog", 1, 0.0)
+        s.arrive("w", spec(prompt=100, max_tokens=100, cls="interactive"), 0.0)
+        at = s.requests["w"].expiry
+        assert not of(s.tick(at - 0.01), ev.Reject)
+        rej = of(s.tick(at + 0.01), ev.Reject, "w")
+        assert rej and rej[0].reason == "queue-timeout"
+        return at
+
+    assert expiry(0.9) == pytest.approx(2.0 - 0.2 - 0.1, abs=0.03)
+    assert expiry(None) == pytest.approx(2.0 - 0.2, abs=0.02)
+
+
 def test_queued_request_turned_away_once_it_could_no_longer_finish_by_its_deadline() -> None:
     """``deadline_service_quantile``: a queued request with a deadline is turned away at the
     deadline less its predicted service (prefill, then its median length of steps), not at the

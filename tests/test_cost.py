@@ -228,6 +228,38 @@ def test_first_token_delay_prior_then_fit() -> None:
     assert flat.predict_first_token(50_000) == pytest.approx(0.3)
 
 
+def test_first_token_margin_is_a_quantile_of_how_late_first_tokens_came_after_the_line() -> None:
+    """The fitted line is a mean: the margin is the q-quantile of how far the recent first
+    tokens came after it, so line + margin(0.9) is passed by about a tenth of them. Nothing
+    until 8 first tokens were judged against a fitted line (20 fit it first); never below 0;
+    the last 64 only, so a calmer engine narrows it."""
+    cm = CostModel(TRUE)
+    rng = random.Random(7)
+
+    def observe(n: int, spread: float) -> None:
+        for _ in range(n):
+            ahead = rng.randint(100, 5_000)
+            cm.observe_first_token(ahead, 0.05 + 1e-4 * ahead + rng.uniform(0.0, spread))
+
+    observe(27, 0.2)
+    assert cm.first_token_margin(0.9) == 0.0  # 7 judged so far
+    observe(1, 0.2)
+    assert cm.first_token_margin(0.9) > 0.0
+    observe(400, 0.2)
+    margin = cm.first_token_margin(0.9)
+    assert 0.05 <= margin <= 0.11  # uniform over 0.2 s about a line through its middle: 0.08
+    assert cm.first_token_margin(0.99) >= margin >= cm.first_token_margin(0.5) >= 0.0
+    over = 0
+    for _ in range(2_000):
+        ahead = rng.randint(100, 5_000)
+        seconds = 0.05 + 1e-4 * ahead + rng.uniform(0.0, 0.2)
+        over += seconds > cm.predict_first_token(ahead) + margin
+    assert 0.04 <= over / 2_000 <= 0.2
+    assert cm.first_token_margin(0.1) == 0.0  # below the line: no margin, not a negative one
+    observe(64, 0.01)  # the engine calms down: the last 64 are all that count
+    assert cm.first_token_margin(0.9) < 0.02
+
+
 @pytest.mark.parametrize(("ahead", "seconds"), [(-1, 0.1), (1.5, 0.1), (10, -0.1), (10, math.nan)])
 def test_first_token_observation_rejects_bad_input(ahead: object, seconds: object) -> None:
     cm = CostModel()

@@ -331,6 +331,15 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "(SchedulerConfig.deadline_service_quantile, default: %(default)s)",
     )
     g.add_argument(
+        "--first-token-quantile",
+        type=quantile_or_off,
+        default=attrs.fields(SchedulerConfig).first_token_quantile.default,
+        metavar="Q|off",
+        help="judge first-token objectives against this quantile of the learned time from "
+        "admission to a first token; off: its mean (SchedulerConfig.first_token_quantile, "
+        "default: %(default)s)",
+    )
+    g.add_argument(
         "--turn-away-wait-quantile",
         type=quantile_or_off,
         default=attrs.fields(SchedulerConfig).turn_away_wait_quantile.default,
@@ -445,6 +454,7 @@ def _simulate(args: argparse.Namespace) -> int:
     config = SchedulerConfig(
         turn_away_late_first_tokens=turn_away,
         deadline_service_quantile=args.deadline_service_quantile,
+        first_token_quantile=args.first_token_quantile,
         turn_away_wait_quantile=args.turn_away_wait_quantile,
     )
     try:
@@ -490,6 +500,7 @@ def _simulate(args: argparse.Namespace) -> int:
                     **scenario.to_dict(),
                     "turn_away_late_first_tokens": args.turn_away_late_first_tokens,
                     "deadline_service_quantile": args.deadline_service_quantile,
+                    "first_token_quantile": args.first_token_quantile,
                     "turn_away_wait_quantile": args.turn_away_wait_quantile,
                 },
                 engine=engine.to_dict(),

@@ -66,6 +66,12 @@ class SchedulerConfig:
     was scaled by this quantile of real / forecast waits instead; a policy that admits callers
     at their last responsible moment makes every wait about its bound, and that ratio then
     turned away the most pressed fifth of the callers it had served in time, run after run.)
+    ``first_token_quantile``: the quantile of the time from admission to a first token that a
+    first-token objective is judged against (when a queued caller is turned away, whether its
+    first token would be late, whether a prefill crowds callers under an objective): the cost
+    model's fitted line plus this quantile of how far recent first tokens came after it
+    (:meth:`~kvbudget.core.cost.CostModel.first_token_margin`). None: the line itself, a mean,
+    which leaves callers admitted at their last moment late about half the time.
     ``arrival_rate_window_s``: time constant of the estimate of the prompt tokens per second
     that callers under a first-token objective bring (:meth:`Scheduler.first_token_prefill_rate`),
     which a policy may keep room for in the engine's prefill queue.
@@ -92,6 +98,9 @@ class SchedulerConfig:
     wait_outcome_window: int = attrs.field(default=256, validator=integer(1, 1 << 20))
     deadline_service_quantile: float | None = attrs.field(
         default=0.5, validator=optional(quantile())
+    )
+    first_token_quantile: float | None = attrs.field(
+        default=0.9, validator=optional(quantile())
     )
 
     def __attrs_post_init__(self) -> None:

@@ -195,7 +195,8 @@ class Forecast:
         """When a queued request is turned away (a checkpoint: only its deadline bounds it).
 
         A caller with a time-to-first-token objective is turned away once admitting it could no
-        longer give it a first token in time (the objective less its predicted prefill); one with
+        longer give it a first token in time (the objective less the time to a first token of
+        its own prefill, :meth:`first_token_time`); one with
         a deadline once admitting it could no longer finish it in time (the deadline less its
         predicted service, ``deadline_service_quantile``): admitted later it would miss anyway,
         and the KV and engine time it took would be lost to others. (``service=False``: without
@@ -211,9 +212,8 @@ class Forecast:
         if cls.max_queue_delay_s is not None:
             expiry = min(expiry, req.arrival + cls.max_queue_delay_s)
         if cls.ttft_slo_s is not None and req.generated == 0:
-            prefill = self._s.ledger.prefill_tokens(req)
-            last = req.arrival + cls.ttft_slo_s - self._s.cost.predict_prefill(prefill)
-            expiry = min(expiry, last)
+            own = self.first_token_time(self._s.ledger.prefill_tokens(req))
+            expiry = min(expiry, req.arrival + cls.ttft_slo_s - own)
         return expiry
 
     def predicted_service(self, req: Request, q: float) -> float:
@@ -255,11 +255,20 @@ class Forecast:
         engaged = self.late_first_token_share > LATE_SHARE_ON if setting is None else setting
         return ttft if engaged else None
 
+    def first_token_time(self, tokens_ahead: int) -> float:
+        """Seconds from an admission to its first token with ``tokens_ahead`` prompt tokens
+        queued for prefill (its own included), at ``first_token_quantile``: every first-token
+        objective is judged against this."""
+        cost = self._s.cost
+        q = self._config.first_token_quantile
+        predicted = cost.predict_first_token(tokens_ahead)
+        return predicted if q is None else predicted + cost.first_token_margin(q)
+
     def first_token_delay(self, req: Request, extra_tokens: int = 0) -> float:
         """Predicted seconds from admitting ``req`` now to its first token, behind the prefill
         queued in the engine (and ``extra_tokens`` more of it ahead)."""
         s = self._s
-        return s.cost.predict_first_token(
+        return self.first_token_time(
             s.prefill_backlog + s.ledger.prefill_tokens(req) + extra_tokens
         )
 
@@ -270,7 +279,7 @@ class Forecast:
         ttft = self.first_token_objective(req)
         return (
             ttft is not None
-            and self._s.cost.predict_first_token(self._s.ledger.prefill_tokens(req)) <= ttft
+            and self.first_token_time(self._s.ledger.prefill_tokens(req)) <= ttft
             and now + self.first_token_delay(req) > req.arrival + ttft
         )
 
