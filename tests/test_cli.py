@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -108,19 +109,28 @@ def test_turn_away_late_first_tokens_flag(tmp_path: Path) -> None:
     assert on["ttft_p99_s"] < off["ttft_p99_s"]
 
 
-def test_first_token_quantile_flag(tmp_path: Path) -> None:
-    """The flag reaches the scheduler and is recorded in the JSON; bad values are refused."""
-    args = ["simulate", "--limit", "200", "--quiet", "--policy", "calibrated"]
+def _simulate_settings(
+    tmp_path: Path, args: list[str], flag: str, settings: tuple[str, ...]
+) -> dict[str, Any]:
+    """``kvbudget simulate ARGS FLAG SETTING`` for each setting: its JSON, by setting (and the
+    flag refuses values outside (0, 1) and non-numbers)."""
     docs = {}
-    for setting in ("off", "0.9"):
-        out_json = tmp_path / f"ft-{setting}.json"
-        assert main([*args, "--first-token-quantile", setting, "--json", str(out_json)]) == 0
+    for setting in settings:
+        out_json = tmp_path / f"{flag.strip('-')}-{setting}.json"
+        assert main([*args, flag, setting, "--json", str(out_json)]) == 0
         docs[setting] = json.loads(out_json.read_text())
-    assert docs["off"]["scenario"]["first_token_quantile"] is None
-    assert docs["0.9"]["scenario"]["first_token_quantile"] == 0.9
     for bad in ("0", "1", "nan", "x"):
         with pytest.raises(SystemExit):
-            main(["simulate", "--first-token-quantile", bad])
+            main(["simulate", flag, bad])
+    return docs
+
+
+def test_first_token_quantile_flag(tmp_path: Path) -> None:
+    """The flag reaches the scheduler and is recorded in the JSON."""
+    args = ["simulate", "--limit", "200", "--quiet", "--policy", "calibrated"]
+    docs = _simulate_settings(tmp_path, args, "--first-token-quantile", ("off", "0.9"))
+    assert docs["off"]["scenario"]["first_token_quantile"] is None
+    assert docs["0.9"]["scenario"]["first_token_quantile"] == 0.9
 
 
 def test_deadline_service_quantile_flag(tmp_path: Path) -> None:
@@ -129,15 +139,8 @@ def test_deadline_service_quantile_flag(tmp_path: Path) -> None:
     off admits them to run late."""
     args = ["simulate", "--limit", "300", "--quiet", "--rate-scale", "3", "--policy",
             "calibrated", "--batch-deadline", "20"]
-    docs = {}
-    for setting in ("off", "0.5"):
-        out_json = tmp_path / f"dl-{setting}.json"
-        assert main([*args, "--deadline-service-quantile", setting, "--json", str(out_json)]) == 0
-        docs[setting] = json.loads(out_json.read_text())
+    docs = _simulate_settings(tmp_path, args, "--deadline-service-quantile", ("off", "0.5"))
     assert docs["off"]["scenario"]["deadline_service_quantile"] is None
     assert docs["0.5"]["scenario"]["deadline_service_quantile"] == 0.5
     off, on = (docs[k]["policies"]["calibrated"] for k in ("off", "0.5"))
     assert on["rejected"] > off["rejected"] and on["decoded_tokens"] < off["decoded_tokens"]
-    for bad in ("0", "1", "nan", "x"):
-        with pytest.raises(SystemExit):
-            main(["simulate", "--deadline-service-quantile", bad])

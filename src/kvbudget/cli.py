@@ -313,6 +313,17 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--prefill-per-token-us", type=_nonneg_float, help="prefill cost per prompt token (us)"
     )
     g = p.add_argument_group("scheduler (every policy)")
+
+    def quantile_flag(flag: str, field: str, help: str) -> None:
+        """A ``Q|off`` flag for the ``SchedulerConfig`` quantile ``field``, defaulting to it."""
+        g.add_argument(
+            flag,
+            type=quantile_or_off,
+            default=getattr(attrs.fields(SchedulerConfig), field).default,
+            metavar="Q|off",
+            help=f"{help} (SchedulerConfig.{field}, default: %(default)s)",
+        )
+
     g.add_argument(
         "--turn-away-late-first-tokens",
         choices=("auto", "on", "off"),
@@ -321,33 +332,24 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "late: auto (while >5%% of recent first tokens are late), on, off "
         "(SchedulerConfig.turn_away_late_first_tokens)",
     )
-    g.add_argument(
+    quantile_flag(
         "--deadline-service-quantile",
-        type=quantile_or_off,
-        default=0.5,
-        metavar="Q|off",
-        help="turn away a queued request with a deadline once its prefill and its Q-quantile "
-        "output length could no longer finish by it; off: at the deadline itself "
-        "(SchedulerConfig.deadline_service_quantile, default: %(default)s)",
+        "deadline_service_quantile",
+        "turn away a queued request with a deadline once its prefill and its Q-quantile "
+        "output length could no longer finish by it; off: at the deadline itself",
     )
-    g.add_argument(
+    quantile_flag(
         "--first-token-quantile",
-        type=quantile_or_off,
-        default=attrs.fields(SchedulerConfig).first_token_quantile.default,
-        metavar="Q|off",
-        help="judge first-token objectives against this quantile of the learned time from "
-        "admission to a first token; off: its mean (SchedulerConfig.first_token_quantile, "
-        "default: %(default)s)",
+        "first_token_quantile",
+        "judge first-token objectives against this quantile of the learned time from "
+        "admission to a first token; off: its mean",
     )
-    g.add_argument(
+    quantile_flag(
         "--turn-away-wait-quantile",
-        type=quantile_or_off,
-        default=attrs.fields(SchedulerConfig).turn_away_wait_quantile.default,
-        metavar="Q|off",
-        help="turn away a newcomer on its estimated wait only when fewer than Q of the recent "
+        "turn_away_wait_quantile",
+        "turn away a newcomer on its estimated wait only when fewer than Q of the recent "
         "queued callers estimated at about its pressure (estimate / bound) were admitted in "
-        "time; off: when the raw estimate passes its bound "
-        "(SchedulerConfig.turn_away_wait_quantile, default: %(default)s)",
+        "time; off: when the raw estimate passes its bound",
     )
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="write the figures as JSON")
