@@ -238,9 +238,8 @@ class CostModel:
         (>= 0; 0 until 8 of them were judged against a fitted line).
 
         The line is a mean: a caller admitted at the last moment the mean allows gets its first
-        token late about half the time. Over vLLM on this machine the first tokens of callers
-        admitted there came up to 170 ms past a 2 s objective, the wait for the step under way
-        and a step of prefill, which the mean leaves out half of.
+        token late about half the time. (Over vLLM on this machine the 0.9-quantile margin was
+        0-65 ms, beside a line of 17-50 ms for a prompt alone; see docs/benchmarks.md.)
         """
         ordered = self._ft_sorted
         if ordered is None:
