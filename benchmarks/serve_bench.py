@@ -129,7 +129,9 @@ and ``spread`` ([min, max]). ``--out DIR`` keeps the server and client logs and 
 per-request records (JSON), and for each budgeted server its engine profile fitted from the
 steps of the whole process (``engine-profile-SERVER.json``) and of each run alone
 (``engine-profile-SERVER-WORKLOAD-rK.json``, from ``/kvbudget/engine-profile?since=&until=``:
-sim_vs_real replays each run at the pace the engine had in it).
+sim_vs_real replays each run at the pace the engine had in it), and the run's settings
+(``settings.json``: workloads, ``--bench-arg``, seed, scale, policy, servers; sim_vs_real
+``--real DIR`` plans the same requests from it).
 """
 
 from __future__ import annotations
@@ -1716,6 +1718,25 @@ def output_dir(path: Path | None) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+#: in an ``--out`` directory: :func:`run_settings` of the run
+SETTINGS_FILE = "settings.json"
+
+
+def run_settings(opts: argparse.Namespace, specs: Sequence[ServerSpec]) -> dict[str, Any]:
+    """What decides the requests a run sent and who served them: its workloads, their
+    ``--bench-arg``s, seed and scale, the kvbudget policy, the servers and the repeats (the
+    result's ``meta`` and an ``--out`` directory's :data:`SETTINGS_FILE`)."""
+    return {
+        "workloads": list(opts.workloads),
+        "server_names": [s.name for s in specs],
+        "policy": opts.policy,
+        "num_prompts_scale": opts.num_prompts_scale,
+        "bench_args": list(opts.bench_arg),
+        "repeat": opts.repeat,
+        "seed": opts.seed,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
     configure_client_env()
@@ -1738,6 +1759,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: list[Run] = []
     servers_meta: dict[str, Any] = {}
     with output_dir(opts.out) as out_dir:
+        # what the run was made with, beside its records: sim_vs_real --real DIR plans the
+        # same requests from it
+        (out_dir / SETTINGS_FILE).write_text(
+            json.dumps(run_settings(opts, specs), indent=1), encoding="utf-8"
+        )
         for index, spec in enumerate(specs):
             port = opts.port + index
             argv_ = spec.argv(opts.model, port, opts.policy, opts.example_arg, opts.vllm_arg)
@@ -1793,13 +1819,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 per_server[spec.name] = aggregate(mine)
         result["workloads"][name] = per_server
     result["meta"] = {
+        **run_settings(opts, specs),
         "servers": servers_meta,
         "skipped": skipped,
-        "policy": opts.policy,
-        "num_prompts_scale": opts.num_prompts_scale,
-        "bench_args": list(opts.bench_arg),
-        "repeat": opts.repeat,
-        "seed": opts.seed,
         "slo": {"ttft_s": SLO_TTFT_S, "tpot_ms": SLO_TPOT_S * 1000},
         "total_s": round(time.monotonic() - t_start, 1),
         "out": None if opts.out is None else str(opts.out),

@@ -15,7 +15,11 @@ The real side. Either this script runs ``serve_bench.py --servers vllm,kvbudget 
 (a subprocess; ~10 min for all workloads on the tiny CPU model), or ``--real FILE_OR_DIR`` reads a
 run made before: a serve_bench ``--out`` directory (``records-<workload>-<server>-r<k>.json``; the
 per-request records also feed the translation check below) or a file whose last JSON line is
-serve_bench's result (``{"workloads": {NAME: {SERVER: {...}}}, ...}``).
+serve_bench's result (``{"workloads": {NAME: {SERVER: {...}}}, ...}``). The requests simulated are
+the ones that run sent: its workloads, ``--bench-arg``, seed, scale and policy come from the run
+(its directory's ``settings.json``, its result's ``meta``); one given here that differs is refused.
+A run made before serve_bench recorded them takes this command's, and the output warns (line and
+JSON ``translation_mismatch``) where the simulated lengths are not the run's.
 
 The simulated side (:func:`simulate_workloads`). The same requests: vLLM's random dataset is
 re-drawn as ``vllm bench serve`` draws it (:func:`vllm_random_plan`: ``numpy.random.
@@ -27,8 +31,7 @@ sampled one plus the tokenizer's special tokens (the BOS the server adds) plus t
 ``--random-prefix-len``, which becomes a shared system prompt whose full blocks the simulated
 engine's prefix cache holds once. vLLM's ``prefix_repetition`` dataset (``multi-prefix``) is planned
 as :func:`vllm_prefix_repetition_plan` draws it: each request's prefix after vLLM's shuffle, one
-shared system prompt per prefix. ``--bench-arg`` is serve_bench's (the same flags as the run
-compared). Where the real run's records are at hand (an ``--out`` directory), each server's requests
+shared system prompt per prefix. ``--bench-arg`` is serve_bench's (with ``--real``, the run's own). Where the real run's records are at hand (an ``--out`` directory), each server's requests
 arrive when the real client sent them to it (``--send-times``, default ``auto``; ``planned`` keeps
 the plan): a client that is not scheduled for a while sends what fell due at once, and those
 bursts are what a budget's turn-away reacts to. The client's send
@@ -1008,6 +1011,80 @@ def load_real(path: Path) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[st
     return real, records
 
 
+#: the settings of a serve_bench run that decide its requests, as this script's options, with
+#: their defaults (serve_bench's own)
+RUN_SETTINGS: dict[str, Any] = {
+    "bench_arg": [], "seed": 0, "num_prompts_scale": 1.0, "policy": "calibrated",
+}
+#: each as serve_bench records it (its result's ``meta``, its ``--out`` directory's settings)
+_RECORDED_AS = {"bench_arg": "bench_args"}
+
+
+def run_settings_of(path: Path) -> dict[str, Any] | None:
+    """The settings a serve_bench run recorded (``--out`` directory: its ``settings.json``;
+    a file: its result line's ``meta``), or None for a run made before it recorded them."""
+    if path.is_dir():
+        file = path / sb.SETTINGS_FILE
+        if not file.exists():
+            return None
+        doc: Any = json.loads(file.read_text(encoding="utf-8"))
+        return doc if isinstance(doc, dict) else None
+    meta = None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip().startswith("{"):
+            try:
+                doc = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(doc, dict) and "workloads" in doc:
+                meta = doc.get("meta")
+    return meta if isinstance(meta, dict) else None
+
+
+def adopt_run_settings(opts: argparse.Namespace, settings: Mapping[str, Any] | None) -> None:
+    """``--real``: plan the requests the run sent. Each setting the run recorded is taken
+    from it; one given on the command line that differs from the run's is an error (the
+    simulated requests would not be the run's). Without ``--workload``, the run's workloads.
+    A run that recorded nothing keeps the command line's (see :func:`translation_warnings`)."""
+    if not settings:
+        return
+    for key in RUN_SETTINGS:
+        recorded = settings.get(_RECORDED_AS.get(key, key))
+        if recorded is None:
+            continue
+        mine = getattr(opts, key)
+        if key in opts.given and mine != recorded:
+            flag = "--" + key.replace("_", "-")
+            raise SystemExit(
+                f"{flag} {mine!r} differs from the real run's {recorded!r}: leave it out to "
+                f"simulate the requests that run sent"
+            )
+        setattr(opts, key, list(recorded) if key == "bench_arg" else recorded)
+    ran = settings.get("workloads")
+    if opts.workload is None and isinstance(ran, list):
+        opts.workloads = [w for w in sb.WORKLOADS if w in ran]
+
+
+#: a simulated request further than this from the real client's (tokens) means the plan is not
+#: the run's: vLLM's decode and re-encode moves a prompt by a token or two
+_PROMPT_LEN_SLACK = 8
+
+
+def translation_warnings(checks: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[str]:
+    """The workloads whose simulated requests are not the ones the real client sent (a run
+    compared with other ``--bench-arg``, seed or scale than it was made with)."""
+    out = []
+    for workload, per in checks.items():
+        for server, c in per.items():
+            if (
+                c.get("output_len_differs", 0)
+                or c.get("max_prompt_len_diff", 0) > _PROMPT_LEN_SLACK
+                or c.get("matched", 0) < c.get("of", 0)
+            ):
+                out.append(f"{workload}/{server}")
+    return out
+
+
 def run_real(opts: argparse.Namespace, out_dir: Path) -> Path:
     """Run serve_bench once for ``vllm`` and ``kvbudget`` on the selected workloads; its
     progress goes to stderr; returns the ``--out`` directory."""
@@ -1207,9 +1284,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     src.add_argument("--sim-only", action="store_true", help="no real side at all")
     p.add_argument("--workload", action="append", choices=list(sb.WORKLOADS), default=None,
                    help="repeatable; default all, in serve_bench's order")
-    p.add_argument("--bench-arg", action="append", default=[], metavar="ARG",
-                   help="serve_bench's --bench-arg (a held-out variant; with --real, the ones "
-                        "that run was made with)")
+    p.add_argument("--bench-arg", action="append", default=None, metavar="ARG",
+                   help="serve_bench's --bench-arg (a held-out variant; with --real, taken from "
+                        "the run where it recorded them, which serve_bench does since its "
+                        "settings.json)")
     p.add_argument("--engine-profile", default=RUN_PROFILE,
                    help=f"profile file or shipped name, or {RUN_PROFILE!r}: the one the kvbudget "
                         f"server fitted from its steps in the real run (default; "
@@ -1240,9 +1318,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "each from the streams of its phase), and the example's on its engine "
                         "profile of each run where serve_bench kept one; or both at the "
                         f"profile's (none) (default {PACE_DEFAULT})")
-    p.add_argument("--policy", default="calibrated", help="the kvbudget example's policy")
-    p.add_argument("--seed", type=int, default=0, help="serve_bench's dataset seed (default 0)")
-    p.add_argument("--num-prompts-scale", type=float, default=1.0)
+    p.add_argument("--policy", default=None,
+                   help="the kvbudget example's policy (default: the run's, else calibrated)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="serve_bench's dataset seed (default: the run's, else 0)")
+    p.add_argument("--num-prompts-scale", type=float, default=None,
+                   help="serve_bench's request-count scale (default: the run's, else 1)")
     p.add_argument("--model", type=Path, default=None,
                    help="the tiny model directory (its tokenizer; built if missing; default: "
                         "serve_bench's, or without one kvbudget's tiny tokenizer's figures)")
@@ -1250,6 +1331,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="where the real run keeps serve_bench's records (default: a temp dir)")
     args = p.parse_args(argv)
     args.workloads = [w for w in sb.WORKLOADS if w in (args.workload or list(sb.WORKLOADS))]
+    args.given = {k for k in RUN_SETTINGS if getattr(args, k) is not None}
+    for key, default in RUN_SETTINGS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
     if not args.step_scale > 0:
         p.error("--step-scale must be > 0")
     if not 0.0 <= args.stall_speed <= 1.0:
@@ -1327,6 +1412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         real, records = load_real(opts.real)
         real_source = str(opts.real)
         run_dir = opts.real if opts.real.is_dir() else None
+        adopt_run_settings(opts, run_settings_of(opts.real))
     elif not opts.sim_only:
         out_dir = opts.out or Path(tempfile.mkdtemp(prefix="sim_vs_real-"))
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -1375,6 +1461,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for workload, per in checks.items():
         for server, c in per.items():
             print(f"# translation {workload}/{server}: {json.dumps(c)}")
+    foreign = translation_warnings(checks)
+    if foreign:
+        print(f"# WARNING: the simulated requests are not the ones the real client sent in "
+              f"{', '.join(foreign)} (prompt or output lengths differ): give the --bench-arg, "
+              f"--seed and --num-prompts-scale that run was made with")
     print("# the simulator does not model:")
     for note in NOTES:
         print(f"#  - {note}")
@@ -1406,6 +1497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workloads": result,
         "notes": list(NOTES),
         "translation": checks,
+        "translation_mismatch": foreign,
         "speed_check": speed,
         "meta": {
             "real": real_source,

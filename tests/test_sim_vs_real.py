@@ -196,7 +196,9 @@ def test_json_shape_from_a_serve_bench_json_file(
     real.write_text("progress line\n" + json.dumps(doc) + "\n")
     assert svr.main(["--real", str(real), "--workload", "burst"]) == 0
     out = _last_json(capsys.readouterr().out)
-    assert set(out) == {"workloads", "notes", "translation", "speed_check", "meta"}
+    assert set(out) == {
+        "workloads", "notes", "translation", "translation_mismatch", "speed_check", "meta"
+    }
     assert list(out["workloads"]) == ["burst"]
     burst = out["workloads"]["burst"]
     assert set(burst) == {"vllm", "kvbudget", "same_order"}
@@ -240,6 +242,73 @@ def test_records_dir_and_translation_check(
     out = _last_json(text)
     assert out["translation"]["burst"]["kvbudget"]["matched"] == 30
     assert "burst" in text.splitlines()[2]  # the table row
+
+
+def _held_out_run(run: pathlib.Path, bench_args: list[str], settings: bool) -> None:
+    """A serve_bench ``--out`` directory of the burst made with ``bench_args``: its records
+    follow that plan; ``settings``: the run recorded them (serve_bench's settings.json)."""
+    run.mkdir()
+    plan = svr.plan_workload("burst", 0, TOK, 1.0, bench_args)
+    for server in ("vllm", "kvbudget"):
+        records = [
+            {"request_id": f"sb-{server}-burst-r0-abc-{p.index}", "start": 100.0,
+             "prompt_len": p.prompt_tokens, "output_len": p.output_tokens}
+            for p in plan
+        ]
+        (run / f"records-burst-{server}-r0.json").write_text(json.dumps(
+            {"summary": _summary(20, 10), "records": records}
+        ))
+    if settings:
+        opts = sb.parse_args(["--workload", "burst", *(f"--bench-arg={a}" for a in bench_args)])
+        (run / sb.SETTINGS_FILE).write_text(json.dumps(sb.run_settings(opts, [])))
+
+
+def test_real_runs_settings_plan_the_simulated_requests(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--real DIR`` of a held-out variant: the simulated requests are the ones that run sent,
+    from the settings it recorded, without repeating its ``--bench-arg``; a setting given that
+    differs from the run's is refused; a run that recorded none, compared on other requests
+    than it sent, is flagged in the output and the JSON."""
+    held_out = ["--random-input-len=300", "--random-output-len=90"]
+    _held_out_run(tmp_path / "new", held_out, settings=True)
+    assert svr.main(["--real", str(tmp_path / "new")]) == 0
+    text = capsys.readouterr().out
+    out = _last_json(text)
+    assert list(out["workloads"]) == ["burst"]  # the run's workloads, not all of them
+    assert out["meta"]["bench_args"] == held_out
+    assert out["translation"]["burst"]["vllm"]["output_len_differs"] == 0
+    assert out["translation_mismatch"] == [] and "WARNING" not in text
+    with pytest.raises(SystemExit, match="--seed 3 differs from the real run's 0"):
+        svr.main(["--real", str(tmp_path / "new"), "--seed", "3"])
+    assert svr.main(["--real", str(tmp_path / "new"), "--seed", "0"]) == 0  # the same: fine
+    capsys.readouterr()
+
+    _held_out_run(tmp_path / "old", held_out, settings=False)
+    assert svr.main(["--real", str(tmp_path / "old"), "--workload", "burst"]) == 0
+    text = capsys.readouterr().out
+    out = _last_json(text)
+    assert out["translation_mismatch"] == ["burst/vllm", "burst/kvbudget"]
+    assert "WARNING: the simulated requests are not the ones the real client sent" in text
+    held = [f"--bench-arg={a}" for a in held_out]
+    assert svr.main(["--real", str(tmp_path / "old"), "--workload", "burst", *held]) == 0
+    assert _last_json(capsys.readouterr().out)["translation_mismatch"] == []
+
+
+def test_run_settings_come_from_a_result_line_too(tmp_path: pathlib.Path) -> None:
+    real = tmp_path / "serve_bench.out"
+    meta = {"workloads": ["burst"], "bench_args": ["--request-rate=9"], "seed": 2,
+            "num_prompts_scale": 0.5, "policy": "calibrated"}
+    real.write_text(json.dumps({"workloads": {}, "meta": meta}) + "\n")
+    assert svr.run_settings_of(real) == meta
+    assert svr.run_settings_of(tmp_path) is None  # a directory without settings.json
+    opts = svr.parse_args(["--real", str(real), "--policy", "calibrated"])
+    svr.adopt_run_settings(opts, meta)
+    assert (opts.bench_arg, opts.seed, opts.num_prompts_scale) == (["--request-rate=9"], 2, 0.5)
+    assert opts.workloads == ["burst"]
+    opts = svr.parse_args(["--real", str(real), "--workload", "moderate"])
+    svr.adopt_run_settings(opts, meta)
+    assert opts.workloads == ["moderate"]  # asked for: kept (its real side is then missing)
 
 
 def test_abandon_in_the_simulator_leaves_after_k_tokens() -> None:
