@@ -64,6 +64,10 @@ Outcome of a request (SLO: TTFT <= 2 s and mean TPOT = (latency - TTFT) / (token
 * ``good``: HTTP 200, no error event, ``[DONE]`` received, exactly the requested number of
   output tokens, text consistent with the token ids (below), within both SLOs;
 * ``late``: the same but over either SLO;
+  The mean TPOT forgives a long freeze inside a long answer, so each run also reports
+  ``frozen_streams`` (complete streams with a gap over ``FREEZE_GAP_S`` = 1 s between two
+  chunks) and the p50 and max of each complete stream's longest gap (table: ``frozen``,
+  ``gap_max``);
 * ``rejected``: HTTP 429 (kvbudget's overload answer); ``rejected_503``: HTTP 503 (vLLM's own
   queue cap answers 503). Measured here, vLLM's cap sometimes answers HTTP 200 and then a
   stream whose only message is an error event with code 503; an error event with code 503 / 429
@@ -176,6 +180,9 @@ from kvbudget.engines.tiny_model import CPU_VLLM_ENV, set_autogroup_nice  # noqa
 SLO_TTFT_S = 2.0
 SLO_TPOT_S = 0.100
 STALL_GAP_S = 0.200
+#: a gap between two chunks of one stream this long is a freeze the reader sees (the mean-TPOT
+#: objective forgives it on a long answer: 200 tokens at 10 ms leave 18 s of slack)
+FREEZE_GAP_S = 1.0
 HEALTH_TIMEOUT_S = 180.0
 IDLE_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
@@ -1219,6 +1226,11 @@ def summarize(records: Sequence[Record], duration: float) -> dict[str, Any]:
     out["ttft_p99_s"] = _pct(ttfts, 99)
     out["tpot_p50_ms"] = None if not tpots else round(1000 * (_pct(tpots, 50) or 0.0), 1)
     out["tpot_p99_ms"] = None if not tpots else round(1000 * (_pct(tpots, 99) or 0.0), 1)
+    # the longest gap of each complete stream: what the mean TPOT above averages away
+    longest = [max(r.itl) for r in done if r.itl]
+    out["frozen_streams"] = sum(1 for g in longest if g > FREEZE_GAP_S)
+    out["longest_gap_p50_s"] = _pct(longest, 50)
+    out["longest_gap_max_s"] = None if not longest else round(max(longest), 3)
     out["rejected_in_stream"] = sum(1 for r in records if r.reason.startswith("in-stream"))
     out["text_checked"] = sum(1 for r in records if r.text_ok is not None)
     out["text_fffd_only"] = sum(1 for r in records if r.text_check == "fffd")
@@ -1564,6 +1576,7 @@ def _int(value: float | None) -> int | None:
 _COLUMNS = (
     ("workload", 13), ("server", 12), ("run", 3), ("sent", 5), ("good", 5), ("late", 5),
     ("rej", 5), ("rej503", 6), ("failed", 6), ("goodput", 8), ("dur_s", 7), ("preempt", 7),
+    ("frozen", 6), ("gap_max", 7),
 )
 
 
@@ -1578,6 +1591,8 @@ def table_line(run: Run) -> str:
         s["rejected_503"], s["failed"], "-" if s["goodput"] is None else f"{s['goodput']:.2f}",
         f"{s['duration_s']:.1f}",
         "-" if s["engine_preemptions"] is None else s["engine_preemptions"],
+        s.get("frozen_streams", "-"),
+        "-" if s.get("longest_gap_max_s") is None else f"{s['longest_gap_max_s']:.1f}",
     )
     line = " ".join(f"{c!s:<{w}}" for c, (_, w) in zip(cells, _COLUMNS, strict=True))
     notes = []
@@ -1614,7 +1629,10 @@ def table_line(run: Run) -> str:
     return line + " " + " ".join(notes)
 
 
-_SPREAD = ("good", "goodput", "failed", "late", "engine_preemptions", "duration_s")
+_SPREAD = (
+    "good", "goodput", "failed", "late", "engine_preemptions", "duration_s", "frozen_streams",
+    "longest_gap_max_s",
+)
 
 
 def aggregate(runs: Sequence[Run]) -> dict[str, Any]:

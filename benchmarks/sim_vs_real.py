@@ -31,7 +31,8 @@ sampled one plus the tokenizer's special tokens (the BOS the server adds) plus t
 ``--random-prefix-len``, which becomes a shared system prompt whose full blocks the simulated
 engine's prefix cache holds once. vLLM's ``prefix_repetition`` dataset (``multi-prefix``) is planned
 as :func:`vllm_prefix_repetition_plan` draws it: each request's prefix after vLLM's shuffle, one
-shared system prompt per prefix. ``--bench-arg`` is serve_bench's (with ``--real``, the run's own). Where the real run's records are at hand (an ``--out`` directory), each server's requests
+shared system prompt per prefix. ``--bench-arg`` is serve_bench's (with ``--real``, the run's own).
+Where the real run's records are at hand (an ``--out`` directory), each server's requests
 arrive when the real client sent them to it (``--send-times``, default ``auto``; ``planned`` keeps
 the plan): a client that is not scheduled for a while sends what fell due at once, and those
 bursts are what a budget's turn-away reacts to. The client's send

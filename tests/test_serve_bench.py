@@ -154,6 +154,11 @@ def test_summarize_and_abandon_figures() -> None:
     ]
     s = sb.summarize(recs, 2.0)
     assert (s["sent"], s["good"], s["late"], s["rejected_503"], s["goodput"]) == (5, 2, 1, 1, 1.0)
+    # the longest gap of each complete stream (good or late); none of these froze
+    assert (s["frozen_streams"], s["longest_gap_max_s"]) == (0, 0.3)
+    frozen = sb.summarize([*recs, _rec(outcome="late", itl=[0.01, 12.5, 0.01])], 2.0)
+    assert (frozen["frozen_streams"], frozen["longest_gap_max_s"]) == (1, 12.5)
+    assert "frozen" in sb.table_header()
     a = sb.abandon_figures(recs, {"generation_tokens": 20.0, "budget_tokens": 99.0})
     assert (a["stayed"], a["left"], a["useful"], a["stalls"], a["stalled_requests"]) == (
         4, 1, 2, 1, 1
