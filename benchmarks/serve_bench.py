@@ -1208,6 +1208,16 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     return round(ordered[k], 4)
 
 
+def freeze_figures(longest_gaps: Sequence[float]) -> dict[str, Any]:
+    """From the longest gap of each complete stream (what its mean TPOT averages away): how
+    many froze (a gap over :data:`FREEZE_GAP_S`), and the p50 and max of those gaps."""
+    return {
+        "frozen_streams": sum(1 for g in longest_gaps if g > FREEZE_GAP_S),
+        "longest_gap_p50_s": _pct(longest_gaps, 50),
+        "longest_gap_max_s": None if not longest_gaps else round(max(longest_gaps), 3),
+    }
+
+
 def summarize(records: Sequence[Record], duration: float) -> dict[str, Any]:
     """Counts, goodput and latency figures of one run (outcomes must be set)."""
     counts = collections.Counter(r.outcome for r in records)
@@ -1226,11 +1236,7 @@ def summarize(records: Sequence[Record], duration: float) -> dict[str, Any]:
     out["ttft_p99_s"] = _pct(ttfts, 99)
     out["tpot_p50_ms"] = None if not tpots else round(1000 * (_pct(tpots, 50) or 0.0), 1)
     out["tpot_p99_ms"] = None if not tpots else round(1000 * (_pct(tpots, 99) or 0.0), 1)
-    # the longest gap of each complete stream: what the mean TPOT above averages away
-    longest = [max(r.itl) for r in done if r.itl]
-    out["frozen_streams"] = sum(1 for g in longest if g > FREEZE_GAP_S)
-    out["longest_gap_p50_s"] = _pct(longest, 50)
-    out["longest_gap_max_s"] = None if not longest else round(max(longest), 3)
+    out.update(freeze_figures([max(r.itl) for r in done if r.itl]))
     out["rejected_in_stream"] = sum(1 for r in records if r.reason.startswith("in-stream"))
     out["text_checked"] = sum(1 for r in records if r.text_ok is not None)
     out["text_fffd_only"] = sum(1 for r in records if r.text_check == "fffd")

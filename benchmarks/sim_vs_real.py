@@ -501,13 +501,18 @@ def summarize_sim(
     duration = (max(ends) - min(starts)) if ends and starts else 0.0
     out["duration_s"] = round(duration, 2)
     out["goodput"] = round(out["good"] / duration, 3) if duration > 0 else None
-    done = [client.timing(r) for r in records if classify_sim(r, client) in ("good", "late")]
+    complete = [r for r in records if classify_sim(r, client) in ("good", "late")]
+    done = [client.timing(r) for r in complete]
     ttfts = sorted(t for t, _ in done if t is not None)
     tpots = sorted(t for _, t in done if t is not None)
     out["ttft_p50_s"] = sb._pct(ttfts, 50)
     out["ttft_p99_s"] = sb._pct(ttfts, 99)
     out["tpot_p50_ms"] = None if not tpots else round(1000 * (sb._pct(tpots, 50) or 0.0), 1)
     out["tpot_p99_ms"] = None if not tpots else round(1000 * (sb._pct(tpots, 99) or 0.0), 1)
+    # (as the engine made the tokens: the client's own stalls are not in these gaps)
+    out.update(sb.freeze_figures(
+        [r.longest_gap_s for r in complete if r.longest_gap_s is not None]
+    ))
     return out
 
 
@@ -842,9 +847,21 @@ def _real_summary(s: Mapping[str, Any]) -> dict[str, Any]:
         "abandoned": s.get("left", 0),
     }
     for key in ("goodput", "duration_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms",
-                "tpot_p99_ms", "engine_preemptions"):
+                "tpot_p99_ms", "engine_preemptions", *FREEZE_KEYS):
         out[key] = s.get(key)
     return out
+
+
+#: serve_bench's figures of the longest gap of each complete stream (:func:`sb.freeze_figures`)
+FREEZE_KEYS = ("frozen_streams", "longest_gap_p50_s", "longest_gap_max_s")
+
+
+def _freezes_of(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """serve_bench's freeze figures from one run's raw records (a run made before its summary
+    had them)."""
+    return sb.freeze_figures([
+        max(r["itl"]) for r in records if r.get("outcome") in ("good", "late") and r.get("itl")
+    ])
 
 
 def _median(values: Sequence[float]) -> float:
@@ -982,11 +999,19 @@ def load_real(path: Path) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[st
     records: dict[str, Any] = {}
     if path.is_dir():
         for (workload, server), runs in _runs(path).items():
-            summaries = [_real_summary(r["summary"]) for r in runs]
+            summaries = []
+            for r in runs:
+                summary = _real_summary(r["summary"])
+                if summary["frozen_streams"] is None and r.get("records"):
+                    summary.update(_freezes_of(r["records"]))
+                summaries.append(summary)
             merged = dict(summaries[0])
             if len(summaries) > 1:
                 for key in ("good", "late", "rejected", "failed", "abandoned"):
                     merged[key] = _median([s[key] for s in summaries])
+                frozen = [s["frozen_streams"] for s in summaries]
+                if None not in frozen:
+                    merged["frozen_streams"] = _median(frozen)
                 merged["runs"] = len(summaries)
             real.setdefault(workload, {})[server] = merged
             records.setdefault(workload, {})[server] = runs[0].get("records", [])
@@ -1183,6 +1208,9 @@ def median_of_runs(
             merged = dict(summary)
             for key in COUNTS:
                 merged[key] = _median([sim[workload][server][key] for sim in sims])
+            frozen = [sim[workload][server].get("frozen_streams") for sim in sims]
+            if None not in frozen:
+                merged["frozen_streams"] = _median([float(x) for x in frozen if x is not None])
             for key in ("step_scale", "arriving_step_scale"):
                 scales = [sim[workload][server].get(key) for sim in sims]
                 if None not in scales:
@@ -1252,7 +1280,7 @@ def format_table(result: Mapping[str, Mapping[str, Any]]) -> str:
     head = (
         f"{'workload':<13} {'server':<9} {'good r/s':>10} {'late r/s':>10} {'rej r/s':>9} "
         f"{'aband r/s':>10} {'good err':>9} {'target':>6} {'ttft50 r/s':>13} "
-        f"{'tpot50ms r/s':>12}  order"
+        f"{'tpot50ms r/s':>12} {'frozen r/s':>10}  order"
     )
     lines = [head]
     for workload, entry in result.items():
@@ -1272,7 +1300,8 @@ def format_table(result: Mapping[str, Mapping[str, Any]]) -> str:
             lines.append(
                 f"{workload:<13} {server:<9} {pair('good'):>10} {pair('late'):>10} "
                 f"{pair('rejected'):>9} {pair('abandoned'):>10} {rel:>9} {ok:>6} "
-                f"{pair('ttft_p50_s'):>13} {pair('tpot_p50_ms'):>12}  {order}"
+                f"{pair('ttft_p50_s'):>13} {pair('tpot_p50_ms'):>12} "
+                f"{pair('frozen_streams'):>10}  {order}"
             )
     return "\n".join(lines)
 

@@ -266,6 +266,23 @@ def test_a_machine_stall_slows_the_steps_it_meets(speed: float) -> None:
         simulate([req], sc, SMALL_ENGINE, "reserve-max", stalls=[(0.0, 1.0)], stall_speed=1.5)
 
 
+def test_a_record_keeps_its_longest_gap_between_tokens() -> None:
+    """``longest_gap_s``: an interactive stream's longest gap between two tokens as the engine
+    made them. Unstalled, every gap of the lone stream is one decode step; a stall of the whole
+    machine for 1 s just after its first token makes one gap a step and that second."""
+    req, sc, prefill = _one_prefill_of_100(output_tokens=10)
+    plain = simulate([req], sc, SMALL_ENGINE, "reserve-max", keep_requests=True)
+    (rec,) = plain.request_records
+    assert rec.first_token_s is not None and rec.last_token_s is not None
+    step = rec.longest_gap_s
+    span = rec.last_token_s - rec.first_token_s
+    assert step is not None and span / 9 - 1e-9 <= step <= span  # at least the mean of 9 gaps
+    stalled = simulate([req], sc, SMALL_ENGINE, "reserve-max", keep_requests=True,
+                       stalls=[(prefill + 1e-6, 1.0)], stall_speed=0.0)
+    # (the stalled gap is the first decode step, a few microseconds shorter than the longest)
+    assert stalled.request_records[0].longest_gap_s == pytest.approx(step + 1.0, abs=1e-4)
+
+
 def test_spans_of_their_own_speed_slow_the_steps_each_at_its_own() -> None:
     """Spans ``(begin, seconds, speed)``: a step runs at each span's speed while in it. Here
     the prefill step (fixed + 100 prompt tokens) meets a span at half speed for its first

@@ -311,6 +311,27 @@ def test_run_settings_come_from_a_result_line_too(tmp_path: pathlib.Path) -> Non
     assert opts.workloads == ["moderate"]  # asked for: kept (its real side is then missing)
 
 
+def test_freezes_real_and_simulated() -> None:
+    """The longest gap of each complete stream, the one rule of serve_bench: simulated from the
+    records' ``longest_gap_s`` (good and late streams only), and from a run's raw records
+    where its summary predates the figures."""
+    def rec(i: int, gap: float | None, first: float | None = 0.5) -> RequestRecord:
+        return RequestRecord(
+            request_id=f"r{i}", arrival_s=0.0, end="completed" if first else "rejected",
+            prompt_tokens=10, output_tokens=20 if first else 0, expected_tokens=20,
+            first_token_s=first, last_token_s=None if first is None else first + 3.0,
+            finished_s=None if first is None else first + 3.0, longest_gap_s=gap,
+        )
+
+    out = svr.summarize_sim([rec(0, 0.01), rec(1, 2.5), rec(2, None, first=None)])
+    assert (out["frozen_streams"], out["longest_gap_max_s"]) == (1, 2.5)
+    raw = [{"outcome": "late", "itl": [0.01, 4.0]}, {"outcome": "good", "itl": [0.2]},
+           {"outcome": "rejected", "itl": []}, {"outcome": "failed", "itl": [9.0]}]
+    assert svr._freezes_of(raw) == {
+        "frozen_streams": 1, "longest_gap_p50_s": 0.2, "longest_gap_max_s": 4.0
+    }
+
+
 def test_abandon_in_the_simulator_leaves_after_k_tokens() -> None:
     profile = svr.EngineProfile.load("vllm-cpu-tiny")
     sim = svr.simulate_workloads(["abandon"], profile=profile, scale=0.5)

@@ -163,6 +163,7 @@ class _Req:
         "last_seen",
         "last_token_at",
         "leave_at",
+        "longest_gap",
         "phase",
         "prefill_left",
         "prefix",
@@ -197,6 +198,7 @@ class _Req:
         self.last_seen = -1.0  # when its client got its latest token (the front end's delay)
         self.finished_at = -1.0
         self.gaps = 0
+        self.longest_gap = 0.0  # (interactive: its longest gap between two tokens)
         self.stalls = 0
         self.prefill_left = 0
         self.ctx_in = False  # counted in the decode batch's context
@@ -654,6 +656,8 @@ class _Sim:
         if last >= 0.0 and r.interactive:
             gap = t - last
             r.gaps += 1
+            if gap > r.longest_gap:
+                r.longest_gap = gap
             key = int(gap * _ITL_RES)
             self.itl_hist[key] = self.itl_hist.get(key, 0) + 1
             if gap > r.floor:
@@ -883,6 +887,8 @@ class _Sim:
                 if r.interactive:
                     contiguous += 1
                     r.gaps += 1
+                    if dt > r.longest_gap:
+                        r.longest_gap = dt
                     if dt > r.floor:
                         r.stalls += 1
                         self.stalls += 1
@@ -1056,6 +1062,7 @@ class _Sim:
                 first_token_s=r.first_token_at if r.first_token_at >= 0 else None,
                 last_token_s=r.last_seen if r.last_seen >= 0 else None,
                 finished_s=r.finished_at if r.finished_at >= 0 else None,
+                longest_gap_s=r.longest_gap if r.interactive and r.gaps else None,
             )
             for r in self.order
         )

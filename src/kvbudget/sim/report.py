@@ -77,6 +77,8 @@ class RequestRecord:
     left included); ``expected_tokens``: what it would have generated had nothing stopped it
     (its true length, cut to its hard max). Times are seconds on the replayed timeline;
     ``first_token_s``/``last_token_s``/``finished_s`` are None when that never happened.
+    ``longest_gap_s``: an interactive request's longest gap between two of its tokens, as the
+    engine made them (a pause included; None: not interactive, or fewer than two tokens).
     """
 
     request_id: str
@@ -88,6 +90,7 @@ class RequestRecord:
     first_token_s: float | None
     last_token_s: float | None
     finished_s: float | None
+    longest_gap_s: float | None = None
 
     @property
     def ttft_s(self) -> float | None:
