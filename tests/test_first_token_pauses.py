@@ -216,3 +216,79 @@ def test_arrival_is_not_turned_away_where_pauses_could_serve_it(
         s.arrive("n3", spec(prompt=512, max_tokens=300), 0.02)
         late = s.arrive("n4", spec(prompt=512, max_tokens=300), 0.02)
         assert [a for a in late if isinstance(a, ev.Reject) and a.reason == "deadline"]
+
+
+class SlowConfirmations(Engine):
+    """The same engine, whose stops are confirmed only ``delay`` seconds after they were asked
+    (a real engine under a wave of prefills confirms aborts a few steps later)."""
+
+    def __init__(self, s: Scheduler, delay: float) -> None:
+        super().__init__(s)
+        self.delay = delay
+        self.asked: dict[str, float] = {}
+
+    def apply(self, actions: Iterable[ev.Action]) -> None:
+        actions = list(actions)
+        super().apply(actions)
+        for a in actions:
+            if isinstance(a, ev.Preempt | ev.Abort):
+                self.asked[a.request_id] = self.now
+
+    def run(self, until: float = 30.0) -> None:
+        # hold back each stop until its delay has passed, then let the base loop confirm it
+        s = self.s
+        held: list[str] = []
+        last_tick = 0.0
+        while self.now < until and (self.running or s.queued() or self.to_confirm or held):
+            held.extend(self.to_confirm)
+            self.to_confirm = []
+            ready = [r for r in held if self.now - self.asked.get(r, -1e9) >= self.delay]
+            held = [r for r in held if r not in ready]
+            for rid in ready:
+                self.apply(s.confirm_release(rid, self.now))
+            decode = [r for r, p in self.running.items() if not p]
+            prefill = [r for r, p in self.running.items() if p]
+            dt = 0.004 + 50e-6 * len(decode) + 20e-6 * sum(s.requests[r].prompt for r in prefill)
+            self.now += dt
+            for rid in prefill + decode:
+                req = s.requests.get(rid)
+                if rid not in self.running or req is None or req.generated >= req.boundary:
+                    continue
+                self.running[rid] = False
+                self.first_token.setdefault(rid, self.now)
+                self.apply(s.charge(rid, 1, self.now))
+                req = s.requests.get(rid)
+                if req is None or rid not in self.running:
+                    continue
+                if req.generated >= req.hard_max:
+                    self.apply(s.finish(rid, "length", self.now))
+                    self.running.pop(rid, None)
+                    self.to_confirm.append(rid)
+                elif req.generated >= req.boundary:
+                    self.apply(s.boundary_reached(rid, self.now))
+            if decode:
+                self.apply(s.observe_step(len(decode), 0, dt, self.now))
+            if self.now - last_tick >= 0.05:
+                last_tick = self.now
+                self.apply(s.tick(self.now))
+
+
+def test_callers_a_round_of_pauses_was_made_for_are_not_turned_away_while_it_confirms() -> None:
+    """Streams paused for callers whose queue bound then passes while the engine has not yet
+    confirmed the pauses: those callers wait for the blocks (their first tokens come, if late)
+    instead of being turned away, which would lose the pauses and the callers both. Here every
+    stop is confirmed 1 s after it was asked, on the 30-caller burst: one round pauses 6 streams
+    for 7 due callers, whose bounds pass before the pauses are confirmed (turned away then, all
+    7 were lost; now they get their first tokens, late)."""
+    s = measured(CalibratedPolicy())
+    e = SlowConfirmations(s, delay=1.0)
+    for i in range(30):
+        e.apply(s.arrive(f"r{i}", spec(), 0.0))
+    e.run()
+    heads = {reason.split(":", 1)[1] for _, reason, _ in e.gave_way if reason.startswith("admit:")}
+    assert heads, "streams gave way for first tokens"
+    assert not e.rejected, "callers streams were paused for were turned away"
+    assert all(h in e.first_token for h in heads)
+    assert sum(1 for t in e.first_token.values() if t > 2.0) == 7
+    assert not s._round_for and not s._round_of_victim  # nothing left behind
+    assert s.snapshot().totals.completed + len(e.rejected) == 30

@@ -92,6 +92,17 @@ _GAP_ALPHA = 0.01
 _GAP_MAX = 0.25
 
 
+class _PauseRound:
+    """One round of pauses for first tokens: the streams paused, whose blocks are not back yet,
+    and the callers it was made for."""
+
+    __slots__ = ("callers", "victims")
+
+    def __init__(self, victims: set[str], callers: set[str]) -> None:
+        self.victims = victims
+        self.callers = callers
+
+
 class Scheduler:
     """The sans-I/O core. Pass ``now`` in; get actions out."""
 
@@ -152,6 +163,10 @@ class Scheduler:
         #: average; 0 before any): the engine's step plus everything around it
         self.token_gap = 0.0
         self._active_by_floor: dict[float, int] = {}
+        #: the callers a round of pauses for first tokens is under way for (until its blocks
+        #: are back: :meth:`_protected_head_room`)
+        self._round_for: dict[str, _PauseRound] = {}
+        self._round_of_victim: dict[str, _PauseRound] = {}
         self.now = 0.0
         self.counters: dict[tuple[str, str], Counters] = {}
         #: rejections by reason ("deadline", "queue-timeout", "first-token-late", "too-large", ...)
@@ -597,6 +612,8 @@ class Scheduler:
         self.releasing -= 1
         if preempting:
             self.preempting -= 1
+        if self._round_of_victim:
+            self._victim_back(req.request_id)
         self.forecast.note_release(freed, now)
         if self.active == 0 and self.releasing == 0:
             self.forecast.note_idle(now, True)
@@ -621,6 +638,18 @@ class Scheduler:
             self._forget(req)
         actions.extend(self._pump(now))
         return actions
+
+    def _victim_back(self, rid: str) -> None:
+        """``rid``'s blocks are back (or it stopped for good): once all of its pause round's are,
+        admission decides on the round's callers as on any other."""
+        round_ = self._round_of_victim.pop(rid, None)
+        if round_ is None:
+            return
+        round_.victims.discard(rid)
+        if not round_.victims:
+            for caller in round_.callers:
+                if self._round_for.get(caller) is round_:
+                    del self._round_for[caller]
 
     def _turn_away(self, req: Request, reason: str) -> ev.Reject:
         """Take a queued request out of its queue for good: a caller is rejected (``reason``),
@@ -681,7 +710,11 @@ class Scheduler:
         """Time passed: turn away queued callers past their bound, count unconfirmed stops."""
         now = self._time(now)
         actions: list[ev.Action] = (
-            [self._turn_away(req, "queue-timeout") for req in self.queues.expired(now)]
+            [
+                self._turn_away(req, "queue-timeout")
+                for req in self.queues.expired(now)
+                if req.request_id not in self._round_for
+            ]
             if self.front
             else []
         )
@@ -956,7 +989,11 @@ class Scheduler:
                 blocks = self.ledger.admission_blocks(req, boundary)
                 if not self._may_admit(req, blocks, allowance, now, actions):
                     return
-                if self.front and self.forecast.first_token_late(req, now):
+                if (
+                    self.front
+                    and req.request_id not in self._round_for
+                    and self.forecast.first_token_late(req, now)
+                ):
                     # behind the prefill already queued in the engine its first token would be
                     # late: a fast "overloaded" now, and its prefill is not taken from callers
                     # who can still be served in time
@@ -1063,6 +1100,7 @@ class Scheduler:
         if takes_headroom:
             return gates
         need = blocks - self.ledger.spare(protected=False)
+        served = [req]
         if due:
             # the fresh callers queued behind it whose first tokens are due as well: one round
             # of pauses for all of them, not one confirmation round trip each
@@ -1071,7 +1109,17 @@ class Scheduler:
                     need += self.ledger.admission_blocks(
                         other, other.generated + self._allowance(other)
                     )
-        for victim in self.policy.choose_victims(req, need, candidates):
+                    served.append(other)
+        victims = self.policy.choose_victims(req, need, candidates)
+        if due and victims:
+            # the callers this round pauses streams for are not turned away while its blocks
+            # are on their way back: streams paused for a caller then refused are lost twice
+            round_ = _PauseRound({v.request_id for v in victims}, {r.request_id for r in served})
+            for rid in round_.victims:
+                self._round_of_victim[rid] = round_
+            for rid in round_.callers:
+                self._round_for[rid] = round_
+        for victim in victims:
             if victim is req or victim.state not in _LIVE or victim.generated >= victim.hard_max:
                 raise PolicyViolation(
                     self.policy.name, "admission victims must be running requests"
