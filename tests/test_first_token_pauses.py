@@ -36,14 +36,16 @@ def spec(prompt: int = 512, max_tokens: int = 300) -> RequestSpec:
 class Engine:
     """A deterministic engine over the core: one step prefills every newly admitted request
     (its first token) and decodes one token for every running one; step time 4 ms + 50 us per
-    decoding sequence + 20 us per prompt token prefilled; stops are confirmed at the next step;
-    ticks every 50 ms."""
+    decoding sequence + 20 us per prompt token prefilled; stops are confirmed at the first step
+    that ends ``confirm_delay`` seconds after they were asked (0: the next step); ticks every
+    50 ms."""
 
-    def __init__(self, s: Scheduler) -> None:
+    def __init__(self, s: Scheduler, confirm_delay: float = 0.0) -> None:
         self.s = s
         self.now = 0.0
+        self.confirm_delay = confirm_delay
         self.running: dict[str, bool] = {}  # request id -> still to prefill
-        self.to_confirm: list[str] = []
+        self.to_confirm: list[tuple[str, float]] = []  # (request id, asked at)
         self.first_token: dict[str, float] = {}
         self.rejected: dict[str, str] = {}
         self.gave_way: list[tuple[str, str, int]] = []  # (victim, reason, its tokens then)
@@ -58,13 +60,13 @@ class Engine:
                 )
             elif isinstance(a, ev.Preempt):
                 self.running.pop(a.request_id, None)
-                self.to_confirm.append(a.request_id)
+                self.to_confirm.append((a.request_id, self.now))
                 self.gave_way.append(
                     (a.request_id, a.reason, self.s.requests[a.request_id].generated)
                 )
             elif isinstance(a, ev.Abort):
                 self.running.pop(a.request_id, None)
-                self.to_confirm.append(a.request_id)
+                self.to_confirm.append((a.request_id, self.now))
             elif isinstance(a, ev.Reject):
                 self.running.pop(a.request_id, None)
                 self.rejected[a.request_id] = a.reason
@@ -78,7 +80,9 @@ class Engine:
             req_prompt = {r: s.requests[r].prompt for r in prefill}
             dt = 0.004 + 50e-6 * len(decode) + 20e-6 * sum(req_prompt.values())
             self.now += dt
-            confirm, self.to_confirm = self.to_confirm, []
+            due = self.now - self.confirm_delay
+            confirm = [rid for rid, asked in self.to_confirm if asked <= due]
+            self.to_confirm = [(rid, asked) for rid, asked in self.to_confirm if asked > due]
             for rid in confirm:
                 self.apply(s.confirm_release(rid, self.now))
             for rid in prefill + decode:
@@ -94,7 +98,7 @@ class Engine:
                 if req.generated >= req.hard_max:
                     self.apply(s.finish(rid, "length", self.now))
                     self.running.pop(rid, None)
-                    self.to_confirm.append(rid)
+                    self.to_confirm.append((rid, self.now))
                 elif req.generated >= req.boundary:
                     self.apply(s.boundary_reached(rid, self.now))
             if decode:
@@ -218,61 +222,6 @@ def test_arrival_is_not_turned_away_where_pauses_could_serve_it(
         assert [a for a in late if isinstance(a, ev.Reject) and a.reason == "deadline"]
 
 
-class SlowConfirmations(Engine):
-    """The same engine, whose stops are confirmed only ``delay`` seconds after they were asked
-    (a real engine under a wave of prefills confirms aborts a few steps later)."""
-
-    def __init__(self, s: Scheduler, delay: float) -> None:
-        super().__init__(s)
-        self.delay = delay
-        self.asked: dict[str, float] = {}
-
-    def apply(self, actions: Iterable[ev.Action]) -> None:
-        actions = list(actions)
-        super().apply(actions)
-        for a in actions:
-            if isinstance(a, ev.Preempt | ev.Abort):
-                self.asked[a.request_id] = self.now
-
-    def run(self, until: float = 30.0) -> None:
-        # hold back each stop until its delay has passed, then let the base loop confirm it
-        s = self.s
-        held: list[str] = []
-        last_tick = 0.0
-        while self.now < until and (self.running or s.queued() or self.to_confirm or held):
-            held.extend(self.to_confirm)
-            self.to_confirm = []
-            ready = [r for r in held if self.now - self.asked.get(r, -1e9) >= self.delay]
-            held = [r for r in held if r not in ready]
-            for rid in ready:
-                self.apply(s.confirm_release(rid, self.now))
-            decode = [r for r, p in self.running.items() if not p]
-            prefill = [r for r, p in self.running.items() if p]
-            dt = 0.004 + 50e-6 * len(decode) + 20e-6 * sum(s.requests[r].prompt for r in prefill)
-            self.now += dt
-            for rid in prefill + decode:
-                req = s.requests.get(rid)
-                if rid not in self.running or req is None or req.generated >= req.boundary:
-                    continue
-                self.running[rid] = False
-                self.first_token.setdefault(rid, self.now)
-                self.apply(s.charge(rid, 1, self.now))
-                req = s.requests.get(rid)
-                if req is None or rid not in self.running:
-                    continue
-                if req.generated >= req.hard_max:
-                    self.apply(s.finish(rid, "length", self.now))
-                    self.running.pop(rid, None)
-                    self.to_confirm.append(rid)
-                elif req.generated >= req.boundary:
-                    self.apply(s.boundary_reached(rid, self.now))
-            if decode:
-                self.apply(s.observe_step(len(decode), 0, dt, self.now))
-            if self.now - last_tick >= 0.05:
-                last_tick = self.now
-                self.apply(s.tick(self.now))
-
-
 def test_callers_a_round_of_pauses_was_made_for_are_not_turned_away_while_it_confirms() -> None:
     """Streams paused for callers whose queue bound then passes while the engine has not yet
     confirmed the pauses: those callers wait for the blocks (their first tokens come, if late)
@@ -281,7 +230,7 @@ def test_callers_a_round_of_pauses_was_made_for_are_not_turned_away_while_it_con
     for 7 due callers, whose bounds pass before the pauses are confirmed (turned away then, all
     7 were lost; now they get their first tokens, late)."""
     s = measured(CalibratedPolicy())
-    e = SlowConfirmations(s, delay=1.0)
+    e = Engine(s, confirm_delay=1.0)
     for i in range(30):
         e.apply(s.arrive(f"r{i}", spec(), 0.0))
     e.run()

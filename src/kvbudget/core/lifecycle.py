@@ -172,6 +172,7 @@ class Request:
         "last_token_at",
         "latency_floor",
         "outcome",
+        "paused_for",
         "preemptions",
         "prefill_ahead",
         "prefill_pending",
@@ -234,6 +235,8 @@ class Request:
         self.requeue_front = False
         #: paused for another caller's first token: requeued behind the callers then queued
         self.gave_way = False
+        #: streams were paused for this caller's first token (it is not turned away as late)
+        self.paused_for = False
         self.release_started_at: float | None = None
         self.unconfirmed = False
         self.expiry = float("inf")  # when it is turned away if still queued (the scheduler's)

@@ -991,7 +991,7 @@ class Scheduler:
                     return
                 if (
                     self.front
-                    and req.request_id not in self._round_for
+                    and not req.paused_for
                     and self.forecast.first_token_late(req, now)
                 ):
                     # behind the prefill already queued in the engine its first token would be
@@ -1112,13 +1112,15 @@ class Scheduler:
                     served.append(other)
         victims = self.policy.choose_victims(req, need, candidates)
         if due and victims:
-            # the callers this round pauses streams for are not turned away while its blocks
-            # are on their way back: streams paused for a caller then refused are lost twice
+            # the callers this round pauses streams for are never turned away as late, nor at
+            # their queue bound while its blocks are on their way back: streams paused for a
+            # caller then refused are lost twice
             round_ = _PauseRound({v.request_id for v in victims}, {r.request_id for r in served})
             for rid in round_.victims:
                 self._round_of_victim[rid] = round_
-            for rid in round_.callers:
-                self._round_for[rid] = round_
+            for r in served:
+                r.paused_for = True
+                self._round_for[r.request_id] = round_
         for victim in victims:
             if victim is req or victim.state not in _LIVE or victim.generated >= victim.hard_max:
                 raise PolicyViolation(
