@@ -1018,16 +1018,7 @@ def load_real(path: Path) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[st
         if not real:
             raise SystemExit(f"{path}: no records-<workload>-<vllm|kvbudget>-r<k>.json files")
         return real, records
-    doc: dict[str, Any] | None = None
-    for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                candidate = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(candidate, dict) and "workloads" in candidate:
-                doc = candidate
+    doc = result_line(path)
     if doc is None:
         raise SystemExit(f"{path}: no serve_bench JSON line ({{\"workloads\": ...}})")
     for workload, per in doc["workloads"].items():
@@ -1055,16 +1046,23 @@ def run_settings_of(path: Path) -> dict[str, Any] | None:
             return None
         doc: Any = json.loads(file.read_text(encoding="utf-8"))
         return doc if isinstance(doc, dict) else None
-    meta = None
+    meta = (result_line(path) or {}).get("meta")
+    return meta if isinstance(meta, dict) else None
+
+
+def result_line(path: Path) -> dict[str, Any] | None:
+    """The last serve_bench result line (``{"workloads": ...}``) of a file, or None."""
+    doc: dict[str, Any] | None = None
     for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip().startswith("{"):
+        line = line.strip()
+        if line.startswith("{"):
             try:
-                doc = json.loads(line)
+                candidate = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(doc, dict) and "workloads" in doc:
-                meta = doc.get("meta")
-    return meta if isinstance(meta, dict) else None
+            if isinstance(candidate, dict) and "workloads" in candidate:
+                doc = candidate
+    return doc
 
 
 def adopt_run_settings(opts: argparse.Namespace, settings: Mapping[str, Any] | None) -> None:
