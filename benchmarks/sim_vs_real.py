@@ -853,7 +853,7 @@ def _real_summary(s: Mapping[str, Any]) -> dict[str, Any]:
 
 
 #: serve_bench's figures of the longest gap of each complete stream (:func:`sb.freeze_figures`)
-FREEZE_KEYS = ("frozen_streams", "longest_gap_p50_s", "longest_gap_max_s")
+FREEZE_KEYS = tuple(sb.freeze_figures([]))
 
 
 def _freezes_of(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
