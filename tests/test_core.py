@@ -1219,6 +1219,30 @@ def test_deadlock_breaker_checkpoints_one_of_the_stuck() -> None:
     assert of(out, ev.Extend, "a")
 
 
+def test_a_checkpointed_stream_frozen_past_its_floor_counts_a_stall_when_it_resumes() -> None:
+    """The caller of a stream that gave way saw no token from its last before the checkpoint
+    to its first after the resume: that gap is an inter-token stall like any other (the wait
+    for the very first token is not)."""
+    classes = (ServiceClass("batch", latency_floor_s=0.1),)
+    s = Scheduler(Capacity(4, 4), classes=classes, policy=Fixed(allowance=4, step=4))
+    s.arrive("a", spec(prompt=4, max_tokens=8), 0.0)
+    s.arrive("b", spec(prompt=4, max_tokens=64), 0.0)
+    to_boundary(s, "a", 0.0)
+    to_boundary(s, "b", 0.0)
+    s.boundary_reached("a", 0.0)
+    pre = of(s.boundary_reached("b", 0.0), ev.Preempt)
+    assert [p.request_id for p in pre] == ["b"]
+    assert of(s.confirm_release("b", 0.05), ev.Extend, "a")
+    s.charge("a", 4, 0.06)  # (a gap of 60 ms: within the floor)
+    s.finish("a", "length", 0.06)
+    assert of(s.confirm_release("a", 1.0), ev.Admit, "b")
+    assert s.snapshot().stalls == 0
+    s.charge("b", 1, 2.0)  # the first token after the resume, 2 s after the one before
+    assert s.snapshot().stalls == 1
+    s.charge("b", 1, 2.05)
+    assert s.snapshot().stalls == 1
+
+
 def test_deadlock_breaker_fails_a_lone_request_that_cannot_fit() -> None:
     s = Scheduler(Capacity(3, 4), policy=Fixed(allowance=4, step=4))
     s.arrive("a", spec(prompt=4, max_tokens=64), 0.0)

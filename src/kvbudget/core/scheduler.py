@@ -415,7 +415,8 @@ class Scheduler:
             gap = now - last
             if gap > req.latency_floor:
                 req.stats.stalls += 1
-            elif gap < _GAP_MAX:  # (the pace streams see, the shell's overhead included)
+            elif gap < _GAP_MAX and state is not _ADMITTED:  # (not a resume's re-prefill)
+                # (the pace streams see, the shell's overhead included)
                 self.token_gap += _GAP_ALPHA * (gap / tokens - self.token_gap)
         req.last_token_at = now
         self.active_context += tokens
@@ -1219,7 +1220,8 @@ class Scheduler:
         req.ask_at = max(req.boundary - self.policy.lookahead_tokens(req), req.generated + 1)
         if req.boundary >= req.hard_max:
             req.ask_at = req.hard_max + 1
-        req.last_token_at = None
+        # (last_token_at is kept across a checkpoint: the caller's gap from the token before it
+        # to the first after the resume is a stall like any other)
         self.policy.on_granted(req)
         req.stats.admitted += 1
         req.stats.prefix_shared_blocks += req.shared_at_grant
