@@ -189,9 +189,11 @@ class Ledger:
         """Free blocks a request of a protected class (or not) may take for an extension."""
         return self.free - self.protected_floor(protected)
 
-    def room(self, protected: bool) -> int:
-        """The most blocks one request could ever hold: a grant larger can never be made."""
-        return self.capacity.blocks - self.protected_floor(protected)
+    def room(self) -> int:
+        """The most blocks one request could ever hold: a grant larger can never be made.
+        (The whole cache: the scheduler keeps a protected part only while a protected stream
+        is live.)"""
+        return self.capacity.blocks
 
     def fits_extension(self, blocks: int, protected: bool) -> bool:
         return self.spare(protected) >= blocks

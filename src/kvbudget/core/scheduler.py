@@ -159,6 +159,9 @@ class Scheduler:
         self.preempting = 0  # of those, preempted ones that will resume
         self.drift = 0  # last reconciliation: engine-reported minus ledger-expected blocks
         self.active_context = 0  # prompt + generated over live requests, for the cost model
+        #: live requests of protected classes: the protected part of the headroom is kept for
+        #: their extensions, so only while there is one (:meth:`_refresh_headroom`)
+        self.protected_live = 0
         #: seconds per token between a stream's charges, as the shell sees them (a moving
         #: average; 0 before any): the engine's step plus everything around it
         self.token_gap = 0.0
@@ -251,7 +254,7 @@ class Scheduler:
         grant = self._want_blocks(req)  # may raise PolicyViolation: count after it
         stats.arrived += 1
         self.forecast.note_arrival(req, now)
-        if grant > self.ledger.room(cls.protected):
+        if grant > self.ledger.room():
             return [self._reject_new(req, self.config.max_retry_after_s, "too-large")]
         refusal = self._arrival_refusal(req) if self._arrival_refusal is not None else None
         if refusal is not None:
@@ -583,6 +586,10 @@ class Scheduler:
         del self.live[req.request_id]
         self.active_context -= req.prompt + req.generated
         self.policy.on_leave(req)
+        if req.cls.protected:
+            self.protected_live -= 1
+            if not self.protected_live:
+                self._refresh_headroom()
         n = self._active_by_floor[req.latency_floor] - 1
         if n:
             self._active_by_floor[req.latency_floor] = n
@@ -597,6 +604,10 @@ class Scheduler:
         self.active_context += req.prompt + req.generated
         floor = req.latency_floor
         self._active_by_floor[floor] = self._active_by_floor.get(floor, 0) + 1
+        if req.cls.protected:
+            self.protected_live += 1
+            if self.protected_live == 1:
+                self._refresh_headroom()  # (before any other grant of this pass)
 
     # == confirmation ==============================================================================
 
@@ -625,7 +636,7 @@ class Scheduler:
             req.gave_way = False
             grant = self._want_blocks(req)
             actions.append(ev.Released(req.request_id, freed, "preempted", resumable=True))
-            if grant > self.ledger.room(req.cls.protected):
+            if grant > self.ledger.room():
                 # it grew past what the cache can ever hold again: it cannot resume, and queued
                 # it would block its class until its deadline. End it explicitly.
                 actions.append(self._expire(req, self.config.max_retry_after_s, "too-large"))
@@ -801,8 +812,13 @@ class Scheduler:
     # == the pump ==================================================================================
 
     def _refresh_headroom(self) -> None:
+        """The ledger's headroom target and protected part, as the policy sizes them. The
+        protected part protects the extensions of live protected streams: with none live, it is
+        none (an interactive stream admitted later extends into what is free, or preempts the
+        preemptible work that took it), so work of other classes may grow to the whole cache
+        rather than end short of one that holds it."""
         target = self.policy.headroom_target()
-        protected = self.policy.protected_blocks()
+        protected = self.policy.protected_blocks() if self.protected_live else 0
         self.ledger.set_headroom(
             min(target, self.capacity.blocks),
             min(protected, target, self.capacity.blocks),
@@ -1031,11 +1047,14 @@ class Scheduler:
         beyond its protected part, or checkpoint batch work for it
         (:meth:`_protected_head_room`).
         """
-        fits = self.ledger.fits_admission(blocks)
+        idle = self.active == 0 and self.releasing == 0
+        # (the headroom is kept for the extensions of grants in flight: with none, a head that
+        # fits what is free takes it, as one that needs nearly the whole cache must)
+        fits = self.ledger.fits_admission(blocks) or (idle and blocks <= self.ledger.free)
         protected_head = req.cls.protected and self.policy.preempt_for_admission
         if not (fits or protected_head):
             return False
-        gates = (self.policy.admit(req, blocks) or (self.active == 0 and self.releasing == 0)) and (
+        gates = (self.policy.admit(req, blocks) or idle) and (
             self.active == 0
             or not self.front  # (the latency-floor gate is kvbudget's front: no engine has it)
             or self._within_floor(

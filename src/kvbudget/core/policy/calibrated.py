@@ -42,7 +42,7 @@ class CalibratedPolicy(BasePolicy):
       P(extend) x the growth still expected: the next increment, or with bounded steps the way to
       the conditional quantile; for a protected stream P(extend) is conditioned on the length it
       has already outlived), clamped to ``[headroom_min, headroom_max]`` of capacity;
-      ``protected_fraction`` of capacity is reserved for protected classes;
+      ``protected_fraction`` of capacity is reserved for protected classes while one is live;
     * a protected head that does not fit the admission budget may take the headroom beyond its
       protected part (the scheduler's rule: at once while no extension waits) unless a protected
       stream's grant has outrun everything its distribution has seen (:meth:`admit`): then the
@@ -320,7 +320,7 @@ class CalibratedPolicy(BasePolicy):
             if req.spec.on_exhausted == "continue":
                 return Blocked.CONTINUE if req.state is State.EXTENDING else Blocked.WAIT
             s = self._s
-            room = s.ledger.room(req.cls.protected)
+            room = s.ledger.room()
             if req.state is State.EXTENDING and s.ledger.grant_blocks(req, req.hard_max) <= room:
                 return Blocked.PREEMPT_SELF  # it resumes once there is room (it fits alone)
             return Blocked.WAIT  # (asked ahead: decide at the boundary; too large: progress)
