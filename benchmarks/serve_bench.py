@@ -1748,7 +1748,8 @@ SETTINGS_FILE = "settings.json"
 
 def run_settings(opts: argparse.Namespace, specs: Sequence[ServerSpec]) -> dict[str, Any]:
     """What decides the requests a run sent and who served them: its workloads, their
-    ``--bench-arg``s, seed and scale, the kvbudget policy, the servers and the repeats (the
+    ``--bench-arg``s, seed and scale, the kvbudget policy and ``--example-arg``s, the servers
+    and the repeats (the
     result's ``meta`` and an ``--out`` directory's :data:`SETTINGS_FILE`)."""
     return {
         "workloads": list(opts.workloads),
@@ -1756,6 +1757,7 @@ def run_settings(opts: argparse.Namespace, specs: Sequence[ServerSpec]) -> dict[
         "policy": opts.policy,
         "num_prompts_scale": opts.num_prompts_scale,
         "bench_args": list(opts.bench_arg),
+        "example_args": list(opts.example_arg),
         "repeat": opts.repeat,
         "seed": opts.seed,
     }

@@ -16,7 +16,8 @@ The real side. Either this script runs ``serve_bench.py --servers vllm,kvbudget 
 run made before: a serve_bench ``--out`` directory (``records-<workload>-<server>-r<k>.json``; the
 per-request records also feed the translation check below) or a file whose last JSON line is
 serve_bench's result (``{"workloads": {NAME: {SERVER: {...}}}, ...}``). The requests simulated are
-the ones that run sent: its workloads, ``--bench-arg``, seed, scale and policy come from the run
+the ones that run sent: its workloads, ``--bench-arg``, seed, scale, policy and the policy's
+settings among its ``--example-arg`` (``--first-token-pause-share``) come from the run
 (its directory's ``settings.json``, its result's ``meta``); one given here that differs is refused.
 A run made before serve_bench recorded them takes this command's, and the output warns (line and
 JSON ``translation_mismatch``) where the simulated lengths are not the run's.
@@ -54,7 +55,8 @@ once it has received its planned number of tokens
 (``max_tokens`` = length, ``ignore_eos``).
 
 Servers in the simulator: ``vllm`` is the ``reserve-current`` baseline (vLLM v1 FCFS, no queue cap,
-victims freed at once); ``kvbudget`` is the example's policy (``--policy``, default ``calibrated``)
+victims freed at once); ``kvbudget`` is the example's policy (``--policy``, default ``calibrated``,
+with ``--first-token-pause-share`` where the run's ``--example-arg`` set it)
 with the example's service classes (``kvbudget.DEFAULT_CLASSES``: every request is ``interactive``:
 TTFT objective 2 s, admission wait at most 2 s, latency floor 200 ms) and the default
 ``SchedulerConfig``. The engine is a fitted profile (``--engine-profile``): ``run`` (the default) is
@@ -155,6 +157,12 @@ import serve_bench as sb  # noqa: E402
 
 from kvbudget.core.cost import CostModel, StepTimeModel  # noqa: E402
 from kvbudget.core.lengths import LengthModel  # noqa: E402
+from kvbudget.core.policy import Policy  # noqa: E402
+from kvbudget.policy_options import (  # noqa: E402
+    POLICY_DEFAULT,
+    add_first_token_pause_option,
+    server_policy,
+)
 from kvbudget.sim.driver import simulate  # noqa: E402
 from kvbudget.sim.engine_model import EngineModel, FrontEndModel  # noqa: E402
 from kvbudget.sim.profile import EngineProfile, FrontEndRecord, fit_front_end  # noqa: E402
@@ -516,11 +524,30 @@ def summarize_sim(
     return out
 
 
+#: the kvbudget example's policy in the simulator: a shipped name, or a factory of a fresh
+#: policy for each simulated run (:func:`example_policy`)
+ExamplePolicy = str | Callable[[], "Policy | str"]
+
+
+def example_policy(name: str, example_args: Sequence[str]) -> ExamplePolicy:
+    """The policy the kvbudget example ran with ``--policy name`` and serve_bench's
+    ``--example-arg``s: the name, with the policy settings among those arguments
+    (``--first-token-pause-share``) applied as the example applies them. The example's other
+    arguments (its queue bound, tenants, limits) are not its policy and are not simulated."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_first_token_pause_option(parser)
+    known, _ = parser.parse_known_args(list(example_args))
+    if known.first_token_pause_share == POLICY_DEFAULT:
+        return name
+    share = known.first_token_pause_share
+    return lambda: server_policy(name, share)
+
+
 def simulate_workloads(
     names: Sequence[str],
     *,
     profile: EngineProfile,
-    policy: str = "calibrated",
+    policy: ExamplePolicy = "calibrated",
     seed: int = 0,
     scale: float = 1.0,
     tok: TokenizerInfo = TINY_TOKENIZER,
@@ -587,8 +614,10 @@ def simulate_workloads(
                 # stalls, which runs paced by phase have none of
                 spans, speed = ((slow,), slow_speed) if slow is not None else (stalls,
                                                                                stall_speed)
+                chosen = policies[server]
                 result = simulate(
-                    reqs, scenario, engine, policies[server], seed=seed,
+                    reqs, scenario, engine, chosen if isinstance(chosen, str) else chosen(),
+                    seed=seed,
                     keep_requests=True, lengths=lengths, cost=cost, stalls=spans,
                     stall_speed=speed,
                 )
@@ -1032,9 +1061,10 @@ def load_real(path: Path) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[st
 #: their defaults (serve_bench's own)
 RUN_SETTINGS: dict[str, Any] = {
     "bench_arg": [], "seed": 0, "num_prompts_scale": 1.0, "policy": "calibrated",
+    "example_arg": [],
 }
 #: each as serve_bench records it (its result's ``meta``, its ``--out`` directory's settings)
-_RECORDED_AS = {"bench_arg": "bench_args"}
+_RECORDED_AS = {"bench_arg": "bench_args", "example_arg": "example_args"}
 
 
 def run_settings_of(path: Path) -> dict[str, Any] | None:
@@ -1083,7 +1113,7 @@ def adopt_run_settings(opts: argparse.Namespace, settings: Mapping[str, Any] | N
                 f"{flag} {mine!r} differs from the real run's {recorded!r}: leave it out to "
                 f"simulate the requests that run sent"
             )
-        setattr(opts, key, list(recorded) if key == "bench_arg" else recorded)
+        setattr(opts, key, list(recorded) if key in ("bench_arg", "example_arg") else recorded)
     ran = settings.get("workloads")
     if opts.workload is None and isinstance(ran, list):
         opts.workloads = [w for w in sb.WORKLOADS if w in ran]
@@ -1122,6 +1152,7 @@ def run_real(opts: argparse.Namespace, out_dir: Path) -> Path:
     for name in opts.workloads:
         argv += ["--workload", name]
     argv += [f"--bench-arg={arg}" for arg in opts.bench_arg]
+    argv += [f"--example-arg={arg}" for arg in opts.example_arg]
     print(f"# real run: {' '.join(argv[1:])}", file=sys.stderr, flush=True)
     # the machine's load around the run: the engine's speed depends on it (2 shared cores)
     before = os.getloadavg()
@@ -1348,6 +1379,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         f"profile's (none) (default {PACE_DEFAULT})")
     p.add_argument("--policy", default=None,
                    help="the kvbudget example's policy (default: the run's, else calibrated)")
+    p.add_argument("--example-arg", action="append", default=None, metavar="ARG",
+                   help="one more argument of the kvbudget example, as serve_bench's "
+                        "--example-arg (repeatable; the policy's settings among them, "
+                        "--first-token-pause-share, are simulated; default: the run's, else none)")
     p.add_argument("--seed", type=int, default=None,
                    help="serve_bench's dataset seed (default: the run's, else 0)")
     p.add_argument("--num-prompts-scale", type=float, default=None,
@@ -1471,7 +1506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     paced = PACED_SERVERS if opts.pace != "none" and send_times == "real" else ()
     sim = median_of_runs([
         simulate_workloads(
-            opts.workloads, profile=profile, policy=opts.policy, seed=opts.seed,
+            opts.workloads, profile=profile,
+            policy=example_policy(opts.policy, opts.example_arg), seed=opts.seed,
             scale=opts.num_prompts_scale, tok=tok, bench_args=opts.bench_arg, replay=replay,
             stall_speed=opts.stall_speed, front_ends=front_ends, paced=paced, pace=opts.pace,
         )

@@ -311,6 +311,32 @@ def test_run_settings_come_from_a_result_line_too(tmp_path: pathlib.Path) -> Non
     assert opts.workloads == ["moderate"]  # asked for: kept (its real side is then missing)
 
 
+def test_the_examples_policy_settings_are_simulated() -> None:
+    """A run made with ``--example-arg=--first-token-pause-share=off`` is simulated with the
+    pauses off (a fresh policy per simulated run); the run's recorded example arguments are
+    adopted like its other settings; arguments that are not the policy's change nothing."""
+    from kvbudget.core.policy import CalibratedPolicy
+
+    assert svr.example_policy("calibrated", []) == "calibrated"
+    assert svr.example_policy("calibrated", ["--max-queue-delay=3"]) == "calibrated"
+    factory = svr.example_policy("calibrated", ["--first-token-pause-share=off"])
+    first, second = factory(), factory()
+    assert isinstance(first, CalibratedPolicy) and first is not second
+    assert first.first_token_pause_share is None
+    spaced = svr.example_policy("calibrated", ["--first-token-pause-share", "0.5"])()
+    assert isinstance(spaced, CalibratedPolicy) and spaced.first_token_pause_share == 0.5
+    recorded = sb.run_settings(
+        sb.parse_args(["--workload", "burst", "--example-arg=--first-token-pause-share=off"]), []
+    )
+    assert recorded["example_args"] == ["--first-token-pause-share=off"]
+    opts = svr.parse_args(["--real", "x"])
+    svr.adopt_run_settings(opts, recorded)
+    assert opts.example_arg == ["--first-token-pause-share=off"]
+    opts = svr.parse_args(["--real", "x", "--example-arg=--first-token-pause-share=0.5"])
+    with pytest.raises(SystemExit, match="--example-arg"):
+        svr.adopt_run_settings(opts, {"example_args": ["--first-token-pause-share=off"]})
+
+
 def test_freezes_real_and_simulated() -> None:
     """The longest gap of each complete stream, the one rule of serve_bench: simulated from the
     records' ``longest_gap_s`` (good and late streams only), and from a run's raw records
