@@ -564,8 +564,11 @@ def test_continuation_finish_reason(http_url: str, servers: dict[str, Any]) -> N
     """With X-KVBudget-On-Exhausted: continue, a request whose grant cannot grow ends with
     finish_reason "continuation" and a kvbudget handle; "length" only at the hard max.
 
-    A batch request may never take the protected block, so one whose hard max needs all 15
-    blocks cannot finish here: it must end with a continuation (streaming and not).
+    Each request's prompt and hard max need the whole cache. Alone it may take all of it (the
+    protected block is kept only while an interactive stream is live), and beside resumable
+    work it is paused and resumed as vLLM would (it ends with "length"); so each runs beside a
+    request that cannot be paused (a per-request seed), granted 19 of the 23 blocks at once:
+    its grant cannot grow past the rest, and it ends with a continuation (streaming and not).
     """
     import httpx
 
@@ -573,9 +576,9 @@ def test_continuation_finish_reason(http_url: str, servers: dict[str, Any]) -> N
     max_tokens = MAX_MODEL_LEN - 10  # prompt + output need the whole cache
 
     async def one(client: httpx.AsyncClient, stream: bool, headers: dict[str, str],
-                  n: int) -> dict[str, Any]:
+                  n: int, **extra: Any) -> dict[str, Any]:
         body = {"model": servers["model"], "prompt": "go on", "max_tokens": n,
-                "ignore_eos": True, "stream": stream}
+                "ignore_eos": True, "stream": stream, **extra}
         if not stream:
             r = await client.post(f"{http_url}/v1/completions", json=body, headers=headers)
             assert r.status_code == 200, r.text
@@ -594,13 +597,28 @@ def test_continuation_finish_reason(http_url: str, servers: dict[str, Any]) -> N
                 last = chunk
         return last
 
-    async def main() -> list[dict[str, Any]]:
+    async def beside_a_holder(client: httpx.AsyncClient, stream: bool) -> dict[str, Any]:
         cont = {"X-KVBudget-On-Exhausted": "continue", "X-KVBudget-Class": "batch"}
+        async with asyncio.TaskGroup() as tg:
+            holder = tg.create_task(
+                one(client, False, {"X-KVBudget-Class": "batch"}, held, seed=1)
+            )
+            await asyncio.sleep(0.3)  # (admitted first, its whole grant at once)
+            continued = tg.create_task(one(client, stream, cont, max_tokens))
+        assert holder.result()["choices"][0]["finish_reason"] == "length"
+        assert holder.result()["usage"]["completion_tokens"] == held
+        return continued.result()
+
+    held = 600  # (19 blocks with its prompt: 4 are left)
+
+    async def main() -> list[dict[str, Any]]:
         async with httpx.AsyncClient(timeout=60) as client:
             return [
-                await one(client, True, cont, max_tokens),
-                await one(client, False, cont, max_tokens),
-                await one(client, False, cont, 40),  # fits: a plain "length" at its hard max
+                await beside_a_holder(client, True),
+                await beside_a_holder(client, False),
+                # fits: a plain "length" at its hard max
+                await one(client, False, {"X-KVBudget-On-Exhausted": "continue",
+                                          "X-KVBudget-Class": "batch"}, 40),
             ]
 
     streamed, plain, short = asyncio.run(main())
