@@ -1576,6 +1576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "seed": opts.seed,
             "num_prompts_scale": opts.num_prompts_scale,
             "bench_args": list(opts.bench_arg),
+            "example_args": list(opts.example_arg),
             "send_times": send_times,
             "stall_speed": opts.stall_speed,
             "front_ends": {
