@@ -596,8 +596,13 @@ class Scheduler:
         else:
             del self._active_by_floor[req.latency_floor]
 
+    @property
+    def _idle(self) -> bool:
+        """Nothing in flight: no live request and none whose release is unconfirmed."""
+        return self.active == 0 and self.releasing == 0
+
     def _enter_active(self, req: Request) -> None:
-        if self.active == 0 and self.releasing == 0:
+        if self._idle:
             self.forecast.note_idle(self.now, False)
         self.active += 1
         self.live[req.request_id] = req
@@ -627,7 +632,7 @@ class Scheduler:
         if self._round_of_victim:
             self._victim_back(req.request_id)
         self.forecast.note_release(freed, now)
-        if self.active == 0 and self.releasing == 0:
+        if self._idle:
             self.forecast.note_idle(now, True)
         if preempting:  # (the confirmation moved it to checkpointed)
             req.resume = req.checkpoint()
@@ -1047,7 +1052,7 @@ class Scheduler:
         beyond its protected part, or checkpoint batch work for it
         (:meth:`_protected_head_room`).
         """
-        idle = self.active == 0 and self.releasing == 0
+        idle = self._idle
         # (the headroom is kept for the extensions of grants in flight: with none, a head that
         # fits what is free takes it, as one that needs nearly the whole cache must)
         fits = self.ledger.fits_admission(blocks) or (idle and blocks <= self.ledger.free)
