@@ -33,14 +33,15 @@ Actions are carried out as an engine would: ``Admit`` allocates the request's bl
 the prefill (prompt, plus the generated tokens of a resumed checkpoint: the recompute cost, less
 the leading prompt blocks found in the prefix cache); ``Extend`` moves the boundary and
 un-stops the request; ``Deny`` is counted; ``Preempt`` stops the request at once, its blocks
-confirmed after ``abort_latency_s`` (at once, at the same instant, for a policy whose engine
-preempts inside its own step: ``preempts_in_engine``); ``Abort`` (a cancelled or failed
-request) keeps decoding -- wasted tokens -- until its abort is confirmed ``abort_latency_s``
-later; ``Continue`` ends the request explicitly (counted as continued), confirmed after
-``abort_latency_s``; ``Reject`` ends a request that was never admitted as overloaded (a
-checkpoint that expired as failed); ``Released`` ends it for good, or puts a preempted request back
-in the queue to resume. A request that finished by itself is confirmed at the start of the next
-iteration.
+confirmed as the engine confirms an abort (at once, at the same instant, for a policy whose
+engine preempts inside its own step: ``preempts_in_engine``); ``Abort`` (a cancelled or failed
+request) keeps decoding -- wasted tokens -- until its abort is confirmed; ``Continue`` ends the
+request explicitly (counted as continued), confirmed likewise. An abort is confirmed with the
+second engine step that ends after it (the adapter's two step records), or, where the engine
+has no step to run, ``abort_latency_s`` after it; ``Reject`` ends a request that was never
+admitted as overloaded (a checkpoint that expired as failed); ``Released`` ends it for good,
+or puts a preempted request back in the queue to resume. A request that finished by itself is
+confirmed at the start of the next iteration.
 
 Prefix caching (``EngineModel.prefix_caching``, :mod:`kvbudget.sim.prefix`). Each request's
 spec gets ``prefix_blocks`` at the engine's block size when it arrives (from the trace's
@@ -356,6 +357,11 @@ class _Sim:
         # timed events: (time, seq, kind, rid); kinds: 0 confirm, 1 abandon, 2 the front end
         # hands an arrived request to the scheduler
         self.timed: list[tuple[float, int, int, str]] = []
+        #: stops sent through the engine's API, awaiting the step record that confirms them:
+        #: (engine steps done when it is confirmed, when it was sent, request id), in order
+        self.step_confirms: deque[tuple[int, float, str]] = deque()
+        #: engine steps completed so far
+        self.steps_done = 0
         self.tseq = 0
         # records
         self.done = 0
@@ -552,7 +558,7 @@ class _Sim:
                 self._stop_engine(r)
                 r.phase = _HELD
                 if self.preempt_latency_s > 0.0:
-                    self._at(t + self.preempt_latency_s, 0, r.rid)
+                    self._confirm_later(r.rid, t)
                 else:
                     # freed inside the engine's step, before the next running request asks for
                     # a block (vLLM's schedule loop): a victim's blocks serve the rest of this
@@ -568,12 +574,12 @@ class _Sim:
                 else:
                     self._stop_engine(r)
                     r.phase = _HELD
-                self._at(t + self.engine.abort_latency_s, 0, r.rid)
+                self._confirm_later(r.rid, t)
             elif kind is ev.Continue:
                 r.end = "continued"
                 self._stop_engine(r)
                 r.phase = _HELD
-                self._at(t + self.engine.abort_latency_s, 0, r.rid)
+                self._confirm_later(r.rid, t)
             elif kind is ev.Reject:
                 self._finalise(r, "failed" if r.admitted_at >= 0 else "rejected")
                 r.finished_at = t
@@ -594,6 +600,21 @@ class _Sim:
                     self._finalise(r, r.end)
                     self.last_release = t
             # Reject of a request never admitted comes back from arrive/tick directly
+
+    def _confirm_later(self, rid: str, t: float) -> None:
+        """A stop sent through the engine's API at ``t``: the engine core takes it in before its
+        next step and the adapter confirms it with the second step record after it (the first
+        may be of the step in flight), as :class:`kvbudget.vllm.BudgetedEngine` does; an idle
+        engine, which records no steps, confirms it ``abort_latency_s`` later (the adapter's
+        round trip to the engine core)."""
+        self.step_confirms.append((self.steps_done + 2, t, rid))
+
+    def _confirm_idle(self, now: float) -> None:
+        """The engine has nothing to step: its pending stops are confirmed by round trip."""
+        latency = self.engine.abort_latency_s
+        for _steps, sent, rid in self.step_confirms:
+            self._at(max(now, sent + latency), 0, rid)
+        self.step_confirms.clear()
 
     # -- the engine's per-token work ------------------------------------------------------------
 
@@ -811,6 +832,8 @@ class _Sim:
                 pre_tokens += take
             if nb == 0 and pre_tokens == 0:
                 # idle: jump to the next timed event
+                if self.step_confirms:
+                    self._confirm_idle(now)
                 ta = order[ai].arrival if ai < n else inf
                 te = timed[0][0] if timed else inf
                 if not sched.requests and ta < inf:
@@ -850,6 +873,7 @@ class _Sim:
             step_start = now
             now = t_end
             steps += 1
+            self.steps_done = steps
             if fe_output_s > 0.0:
                 # the front end hands this step's outputs out after what it has queued: one
                 # per stream in the batch and per prefill that completes
@@ -923,6 +947,9 @@ class _Sim:
                 self._token(r, now, step_start)
                 if r.phase == _DECODE:
                     self._after_token(r, now)
+            confirms = self.step_confirms
+            while confirms and confirms[0][0] <= steps:
+                self._at(now, 0, confirms.popleft()[2])  # this step's record confirms it
             if cache is not None and cache.cached:
                 # the step's new blocks may need the room of unreferenced cached ones
                 cache.trim(cap_blocks - self.engine_used_blocks)

@@ -19,12 +19,16 @@ An iteration-level batching engine in the style of vLLM v1:
   preemption re-prefills its prompt *and* the tokens it had generated: that is the recompute cost.
 * **Batch cap** ``max_batch`` running sequences (vLLM's ``max_num_seqs``), passed to the
   scheduler as ``SchedulerConfig.max_active``.
-* **Aborts and preemptions** take ``abort_latency_s`` to be confirmed: an aborted (abandoned)
-  request keeps decoding until then, and those tokens are wasted; a preempted request stops at
-  once but its blocks come back only after the same latency -- unless the policy is an engine's
-  own that preempts inside its scheduler step (``preempts_in_engine``: vLLM, SGLang, LightLLM),
-  whose victim's blocks come back at once. A request that finished by itself is confirmed by the
-  next iteration.
+* **Aborts and preemptions** through the engine's API are confirmed as
+  :class:`kvbudget.vllm.BudgetedEngine` confirms them: the engine core takes an abort in before
+  its next step, and the confirmation is the second step record after the abort (the first may
+  be of the step in flight) -- so under a wave of prefills, whose steps are long, a stop takes
+  long to come back; an idle engine, which records no steps, confirms after ``abort_latency_s``
+  (the adapter's round trip to the engine core). An aborted (abandoned) request keeps decoding
+  until then, and those tokens are wasted; a preempted request stops at once but its blocks come
+  back only then -- unless the policy is an engine's own that preempts inside its scheduler step
+  (``preempts_in_engine``: vLLM, SGLang, LightLLM), whose victim's blocks come back at once. A
+  request that finished by itself is confirmed by the next iteration.
 * **Prefix caching** ``prefix_caching`` (on by default, as in vLLM): a prompt block that several
   live requests share (same chained hash) is stored once; when its last holder is freed it stays
   cached, unreferenced, until the space is needed (least recently used first); a newcomer's
@@ -52,8 +56,8 @@ token), i.e. 60e9 / 524,288 = 114,440 tokens = :data:`DEFAULT_CAPACITY_BLOCKS` =
 :data:`DEFAULT_BLOCK_SIZE` = 16 tokens (vLLM's default block size on GPUs).
 ``max_batch`` = 256 and ``prefill_chunk_tokens`` = 2048 are vLLM's ``max_num_seqs`` default and
 its long-standing chunked-prefill ``max_num_batched_tokens`` default; ``abort_latency_s`` = 50 ms
-is a few decode steps, the time for an abort to travel from the API server to the engine core
-and be processed at the start of its next step.
+(used only where the engine is idle: a busy one confirms with its step records) is the round
+trip from the API server to the engine core and back.
 """
 
 from __future__ import annotations

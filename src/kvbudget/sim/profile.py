@@ -32,9 +32,9 @@ threads (vLLM tokenizes raw prompts on a thread pool), the front end is modelled
 slower than it is.
 
 A profile also carries what the engine was configured with (KV blocks and block size, batch cap,
-prefill chunk) and the abort latency: the time from a stop to its confirmation, which over vLLM
-is one scheduler step (the confirmation comes with the next stats record); it is taken as the
-median observed step time unless given.
+prefill chunk) and the abort latency: the time an idle engine takes to confirm a stop (the
+adapter's round trip to the engine core; a busy engine confirms with its step records, which
+the simulator counts itself); it is taken as the median observed step time unless given.
 """
 
 from __future__ import annotations
