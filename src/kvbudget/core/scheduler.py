@@ -1059,27 +1059,41 @@ class Scheduler:
         protected_head = req.cls.protected and self.policy.preempt_for_admission
         if not (fits or protected_head):
             return False
-        gates = (self.policy.admit(req, blocks) or idle) and (
+        within_floor = (
             self.active == 0
             or not self.front  # (the latency-floor gate is kvbudget's front: no engine has it)
             or self._within_floor(
                 1, req.prompt + req.generated + allowance, self.ledger.prefill_tokens(req)
             )
         )
+        policy_admits = self.policy.admit(req, blocks) or idle
+        gates = policy_admits and within_floor
         if fits and gates:
             return True
-        return protected_head and self._protected_head_room(req, blocks, gates, now, actions)
+        return protected_head and self._protected_head_room(
+            req, blocks, policy_admits, within_floor, now, actions
+        )
 
     def _protected_head_room(
-        self, req: Request, blocks: int, gates: bool, now: float, actions: list[ev.Action]
+        self,
+        req: Request,
+        blocks: int,
+        policy_admits: bool,
+        within_floor: bool,
+        now: float,
+        actions: list[ev.Action],
     ) -> bool:
         """A protected head that does not fit its admission budget: may it take the headroom
         beyond the protected part now (True), or does it wait, checkpointing batch work for it
         at its last responsible moment (False; the preemptions are in ``actions``)?
 
-        It takes that headroom (only if ``gates``) at once while no extension waits, and
-        otherwise only where batch work would be checkpointed.
+        It takes that headroom (only if the gates pass: the policy's and the latency floor)
+        at once while no extension waits, and otherwise only where batch work would be
+        checkpointed, or where its first token is due and the work in the engine would not
+        bring it in time: then the policy's gate, which may keep the headroom on the recent
+        release rate, gives way to the drain forecast.
         """
+        gates = policy_admits and within_floor
         takes_headroom = self.ledger.fits_extension(blocks, protected=False)
         if gates and not self._waiting_ext and takes_headroom:
             # The headroom is a forecast of extension demand, and no extension is waiting for
@@ -1123,7 +1137,8 @@ class Scheduler:
         # extension it displaces can still preempt batch work at its own boundary; a batch one
         # waits for the next release). Only what that does not cover is checkpointed.
         if takes_headroom:
-            return gates
+            # (a due caller got here only if the drain would not serve it in time)
+            return within_floor and (policy_admits or due)
         need = blocks - self.ledger.spare(protected=False)
         served = [req]
         if due:
