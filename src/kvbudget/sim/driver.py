@@ -305,10 +305,8 @@ class _Sim:
         self.policy_name = pol.name
         # an engine that preempts inside its own step frees the victim's blocks at once (vLLM's
         # _preempt_request, SGLang's retract_decode); kvbudget's own policies preempt by an
-        # abort through the engine's API, which lands abort_latency_s later
-        self.preempt_latency_s = (
-            0.0 if getattr(pol, "preempts_in_engine", False) else engine.abort_latency_s
-        )
+        # abort through the engine's API, confirmed as any abort is (_confirm_later)
+        self.preempts_in_engine: bool = getattr(pol, "preempts_in_engine", False)
         self.sched = Scheduler(
             engine.capacity,
             classes=(interactive, batch),
@@ -557,7 +555,7 @@ class _Sim:
                 self.preempt_reasons[why] = self.preempt_reasons.get(why, 0) + 1
                 self._stop_engine(r)
                 r.phase = _HELD
-                if self.preempt_latency_s > 0.0:
+                if not self.preempts_in_engine:
                     self._confirm_later(r.rid, t)
                 else:
                     # freed inside the engine's step, before the next running request asks for
