@@ -318,6 +318,94 @@ def test_policy_violation_mid_arrival_leaks_nothing() -> None:
     assert s.snapshot().totals.arrived == 0 and "a" not in s.requests
 
 
+class ChoosesVictims(Fixed):
+    """Fixed, preempting others at the boundary: the victims are ``pick(scheduler)``."""
+
+    name = "chooses-victims"
+
+    def __init__(self, pick: Callable[[Scheduler], list[Request]]) -> None:
+        super().__init__(allowance=4, blocked=Blocked.PREEMPT_OTHERS)
+        self.pick = pick
+
+    def choose_victims(
+        self, req: Request, need_blocks: int, candidates: Sequence[Request]
+    ) -> list[Request]:
+        return self.pick(self.scheduler)  # type: ignore[arg-type]
+
+
+def _full_cache(policy: BasePolicy) -> Scheduler:
+    """'a' and 'b' hold the whole cache, 'a' at its boundary; 'q' queued."""
+    s = Scheduler(Capacity(4, 4), policy=policy, config=SchedulerConfig(slack_tokens=0))
+    for rid in ("a", "b", "q"):
+        s.arrive(rid, spec(prompt=4, max_tokens=64), 0.0)
+    s.charge("a", 4, 0.1)
+    s.charge("b", 1, 0.1)
+    return s
+
+
+@pytest.mark.parametrize(
+    "pick, detail",
+    [
+        (lambda s: [s.requests["b"], s.requests["b"]], "victim 'b' chosen twice"),
+        (lambda s: [s.requests["b"], s.requests["q"]], "victim 'q' is not one of the candidates"),
+    ],
+    ids=["twice", "queued"],
+)
+def test_a_bad_victim_list_is_refused_before_anyone_is_stopped(
+    pick: Callable[[Scheduler], list[Request]], detail: str
+) -> None:
+    """The list is checked whole before the first victim is stopped: before, 'b' chosen twice
+    was stopped once and then refused, and held its blocks with no Preempt ever sent for it."""
+    s = _full_cache(ChoosesVictims(pick))
+    with pytest.raises(PolicyViolation) as info:
+        s.boundary_reached("a", 0.2)
+    assert detail in info.value.detail
+    assert s.requests["b"].state is State.RUNNING and s.preempting == 0
+    assert s.ledger.reserved == 4
+    # a valid list then preempts as usual
+    s.policy.pick = lambda s: [s.requests["b"]]  # type: ignore[attr-defined]
+    assert of(s.boundary_reached("a", 0.3), ev.Preempt, "b")
+
+
+class OddAnswers(Fixed):
+    name = "odd-answers"
+
+    def __init__(self, headroom: object = 0, lookahead: object = 0) -> None:
+        super().__init__()
+        self._odd_headroom, self.lookahead = headroom, lookahead
+
+    def headroom_target(self) -> int:
+        return self._odd_headroom  # type: ignore[return-value]
+
+    def lookahead_tokens(self, req: Request) -> int:
+        return self.lookahead  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    "odd, detail",
+    [({"headroom": v}, "headroom target") for v in (math.nan, 2.5, -1, "4", None)]
+    + [({"lookahead": v}, "lookahead") for v in (-1, math.nan, 1.5, None)],
+)
+def test_an_odd_headroom_or_lookahead_is_refused_and_the_caller_still_waits(
+    odd: dict[str, object], detail: str
+) -> None:
+    """A NaN compares false with every bound: as a headroom target it used to pass. Both are
+    refused before anything is granted, and the caller stays queued (not popped and lost):
+    with the policy mended, the next pass admits it."""
+    if "headroom" in odd:  # (a headroom is asked for when the scheduler is made)
+        with pytest.raises(PolicyViolation):
+            Scheduler(Capacity(64, 4), policy=OddAnswers(**odd))
+    policy = OddAnswers()
+    s = Scheduler(Capacity(64, 4), policy=policy)
+    policy._odd_headroom, policy.lookahead = odd.get("headroom", 0), odd.get("lookahead", 0)
+    with pytest.raises(PolicyViolation) as info:
+        s.arrive("a", spec(), 0.0)
+    assert detail in info.value.detail
+    assert s.requests["a"].state is State.QUEUED and s.ledger.reserved == 0
+    policy._odd_headroom, policy.lookahead = 0, 0
+    assert of(s.tick(0.1), ev.Admit, "a")
+
+
 # == behaviour ===================================================================================
 
 

@@ -123,11 +123,18 @@ class Ledger:
         return max(0, self.free - self.headroom_target)
 
     def set_headroom(self, target: int, protected: int, policy: str) -> None:
-        if target < 0 or protected < 0 or protected > target or target > self.capacity.blocks:
+        if (
+            type(target) is not int  # (a NaN or a float compares false with everything)
+            or type(protected) is not int
+            or target < 0
+            or protected < 0
+            or protected > target
+            or target > self.capacity.blocks
+        ):
             raise PolicyViolation(
                 policy,
-                f"headroom target {target} / protected {protected} must satisfy "
-                f"0 <= protected <= target <= capacity ({self.capacity.blocks})",
+                f"headroom target {target!r} / protected {protected!r} must be whole blocks "
+                f"with 0 <= protected <= target <= capacity ({self.capacity.blocks})",
             )
         self.headroom_target = target
         self.protected_blocks = protected

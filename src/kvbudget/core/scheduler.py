@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvbudget.core import events as ev
 from kvbudget.core import lifecycle
@@ -824,11 +824,11 @@ class Scheduler:
         rather than end short of one that holds it."""
         target = self.policy.headroom_target()
         protected = self.policy.protected_blocks() if self.protected_live else 0
-        self.ledger.set_headroom(
-            min(target, self.capacity.blocks),
-            min(protected, target, self.capacity.blocks),
-            self.policy.name,
-        )
+        if type(target) is int and type(protected) is int:
+            target = min(target, self.capacity.blocks)
+            protected = min(protected, target)
+        # (else the ledger refuses it: min() would pass a NaN through as a number)
+        self.ledger.set_headroom(target, protected, self.policy.name)
 
     def _pump(self, now: float) -> list[ev.Action]:
         actions: list[ev.Action] = []
@@ -899,16 +899,53 @@ class Scheduler:
 
     def _extend_to(self, req: Request, boundary: int, actions: list[ev.Action]) -> None:
         """Grow ``req``'s grant to ``boundary`` (already checked against the pool rules)."""
+        ahead = self._lookahead(req)  # (asked first: an answer it refuses changes nothing)
         self.ledger.extend(req, boundary, self.policy.name)
         req.ext_pending = False
         req.blocked_handled = False
         del self._waiting_ext[req.request_id]
-        req.ask_at = max(req.boundary - self.policy.lookahead_tokens(req), req.generated + 1)
-        if req.boundary >= req.hard_max:
-            req.ask_at = req.hard_max + 1  # the grant covers the hard max: nothing more to ask
+        self._set_ask_at(req, ahead)
         self.policy.on_granted(req)
         req.stats.extensions += 1
         actions.append(ev.Extend(req.request_id, req.boundary, req.blocks))
+
+    def _lookahead(self, req: Request) -> int:
+        """The policy's lookahead for ``req``'s next grant (``Policy.lookahead_tokens``)."""
+        ahead = self.policy.lookahead_tokens(req)
+        if type(ahead) is not int or ahead < 0:
+            raise PolicyViolation(
+                self.policy.name,
+                f"lookahead for {req.request_id!r} must be >= 0 tokens, got {ahead!r}",
+            )
+        return ahead
+
+    @staticmethod
+    def _set_ask_at(req: Request, ahead: int) -> None:
+        """When ``req`` asks to grow its new grant: ``ahead`` tokens before its boundary."""
+        if req.boundary >= req.hard_max:
+            req.ask_at = req.hard_max + 1  # the grant covers the hard max: nothing more to ask
+        else:
+            req.ask_at = max(req.boundary - ahead, req.generated + 1)
+
+    def _checked_victims(
+        self, victims: Sequence[Request], candidates: Sequence[Request], what: str
+    ) -> list[Request]:
+        """``victims`` as the policy chose them from ``candidates``, refused whole
+        (:class:`PolicyViolation`, before anyone is stopped) if one was not offered or comes
+        twice: a request the engine cannot resume, one at its hard max, or an interactive
+        stream that does not give way is never a candidate."""
+        offered = {r.request_id for r in candidates}
+        chosen: set[str] = set()
+        for victim in victims:
+            rid = getattr(victim, "request_id", None)
+            if rid not in offered or self.live.get(rid) is not victim:
+                raise PolicyViolation(
+                    self.policy.name, f"{what} victim {rid!r} is not one of the candidates offered"
+                )
+            if rid in chosen:
+                raise PolicyViolation(self.policy.name, f"{what} victim {rid!r} chosen twice")
+            chosen.add(rid)
+        return list(victims)
 
     def _handle_blocked(self, req: Request, now: float, actions: list[ev.Action]) -> None:
         decision = self.policy.on_blocked(req)
@@ -937,11 +974,8 @@ class Scheduler:
             candidates = [
                 r for r in self.live.values() if r.generated < r.hard_max and r.spec.resumable
             ]
-            for victim in self.policy.choose_victims(req, need, candidates):
-                if victim.state not in _LIVE or victim.generated >= victim.hard_max:
-                    raise PolicyViolation(
-                        self.policy.name, f"victim {victim.request_id!r} is not running"
-                    )
+            chosen = self.policy.choose_victims(req, need, candidates)
+            for victim in self._checked_victims(chosen, candidates, "boundary"):
                 self._preempt(victim, now, actions, reason=f"for:{req.request_id}")
                 if victim is req:
                     return
@@ -1021,11 +1055,12 @@ class Scheduler:
                     # who can still be served in time
                     actions.append(self._turn_away(req, "first-token-late"))
                     continue
+                ahead = self._lookahead(req)  # (asked first: an answer refused changes nothing)
                 queue.pop(req)
                 if req.wait_forecast:
                     self.forecast.note_waited(req.wait_forecast, req.wait_bound, True, now)
                     req.wait_forecast = 0.0
-                self._grant(req, boundary, allowance, now, actions)
+                self._grant(req, boundary, allowance, ahead, now, actions)
 
     def _head(self, queue: ClassQueue) -> Request:
         """The next of ``queue`` to admit: its head, unless that is a checkpoint waiting to
@@ -1150,7 +1185,9 @@ class Scheduler:
                         other, other.generated + self._allowance(other)
                     )
                     served.append(other)
-        victims = self.policy.choose_victims(req, need, candidates)
+        victims = self._checked_victims(
+            self.policy.choose_victims(req, need, candidates), candidates, "admission"
+        )
         if due and victims:
             # the callers this round pauses streams for are never turned away as late, nor at
             # their queue bound while its blocks are on their way back: streams paused for a
@@ -1162,10 +1199,6 @@ class Scheduler:
                 r.paused_for = True
                 self._round_for[r.request_id] = round_
         for victim in victims:
-            if victim is req or victim.state not in _LIVE or victim.generated >= victim.hard_max:
-                raise PolicyViolation(
-                    self.policy.name, "admission victims must be running requests"
-                )
             if not victim.cls.preemptible:
                 victim.gave_way = True  # (paused for a first token: requeued behind it)
             self._preempt(victim, now, actions, reason=f"admit:{req.request_id}")
@@ -1241,7 +1274,8 @@ class Scheduler:
         return want <= 0
 
     def _grant(
-        self, req: Request, boundary: int, allowance: int, now: float, actions: list[ev.Action]
+        self, req: Request, boundary: int, allowance: int, ahead: int, now: float,
+        actions: list[ev.Action],
     ) -> None:
         resume = req.resume
         if req.allowance == 0:
@@ -1256,9 +1290,7 @@ class Scheduler:
         req.prefill_pending = self.ledger.prefill_tokens(req)  # (shared blocks are cached)
         self.prefill_backlog += req.prefill_pending
         req.prefill_ahead = self.prefill_backlog
-        req.ask_at = max(req.boundary - self.policy.lookahead_tokens(req), req.generated + 1)
-        if req.boundary >= req.hard_max:
-            req.ask_at = req.hard_max + 1
+        self._set_ask_at(req, ahead)
         # (last_token_at is kept across a checkpoint: the caller's gap from the token before it
         # to the first after the resume is a stall like any other)
         self.policy.on_granted(req)
