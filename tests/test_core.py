@@ -348,8 +348,9 @@ def _full_cache(policy: BasePolicy) -> Scheduler:
     [
         (lambda s: [s.requests["b"], s.requests["b"]], "victim 'b' chosen twice"),
         (lambda s: [s.requests["b"], s.requests["q"]], "victim 'q' is not one of the candidates"),
+        (lambda s: None, "victims must be a list of requests, got None"),
     ],
-    ids=["twice", "queued"],
+    ids=["twice", "queued", "none"],
 )
 def test_a_bad_victim_list_is_refused_before_anyone_is_stopped(
     pick: Callable[[Scheduler], list[Request]], detail: str

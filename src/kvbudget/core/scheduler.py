@@ -934,6 +934,11 @@ class Scheduler:
         (:class:`PolicyViolation`, before anyone is stopped) if one was not offered or comes
         twice: a request the engine cannot resume, one at its hard max, or an interactive
         stream that does not give way is never a candidate."""
+        if isinstance(victims, (str, bytes)) or not isinstance(victims, Iterable):
+            raise PolicyViolation(
+                self.policy.name, f"{what} victims must be a list of requests, got {victims!r}"
+            )
+        victims = list(victims)
         offered = {r.request_id for r in candidates}
         chosen: set[str] = set()
         for victim in victims:
@@ -945,7 +950,7 @@ class Scheduler:
             if rid in chosen:
                 raise PolicyViolation(self.policy.name, f"{what} victim {rid!r} chosen twice")
             chosen.add(rid)
-        return list(victims)
+        return victims
 
     def _handle_blocked(self, req: Request, now: float, actions: list[ev.Action]) -> None:
         decision = self.policy.on_blocked(req)
