@@ -407,6 +407,15 @@ def test_an_odd_headroom_or_lookahead_is_refused_and_the_caller_still_waits(
     assert of(s.tick(0.1), ev.Admit, "a")
 
 
+def test_whole_numbers_of_other_types_are_answers_too() -> None:
+    np = pytest.importorskip("numpy")
+    policy = OddAnswers(headroom=np.int64(3), lookahead=np.int32(2))
+    s = Scheduler(Capacity(64, 4), policy=policy)
+    assert of(s.arrive("a", spec(), 0.0), ev.Admit, "a")
+    assert type(s.ledger.headroom_target) is int and s.ledger.headroom_target == 3
+    assert s.requests["a"].ask_at == s.requests["a"].boundary - 2
+
+
 # == behaviour ===================================================================================
 
 

@@ -9,6 +9,7 @@ validators name the field after the attribute unless given another name (``"wave
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,18 @@ def check_int(field: str, value: Any, *, minimum: int = 0, maximum: int | None =
         rng = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise InvalidInput(field, value, f"an integer {rng}")
     return value
+
+
+def whole(value: Any) -> int | None:
+    """``value`` as an int if it is a whole number (an int, a NumPy integer), else None (a
+    float, a NaN, a bool, anything else): for a policy's answers, which are refused, not
+    raised on, when they are not (a NaN would compare false with every bound)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def check_float(

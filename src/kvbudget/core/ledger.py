@@ -58,7 +58,7 @@ from kvbudget.core.lifecycle import (
 )
 from kvbudget.core.model import Capacity, blocks_for
 from kvbudget.errors import PolicyViolation
-from kvbudget.validate import check_int
+from kvbudget.validate import check_int, whole
 
 _ONE = 1  # (its bound comparisons count holders in C: 1 < n, 1 == n)
 
@@ -123,21 +123,22 @@ class Ledger:
         return max(0, self.free - self.headroom_target)
 
     def set_headroom(self, target: int, protected: int, policy: str) -> None:
+        blocks, kept = whole(target), whole(protected)  # (a NaN compares false with any bound)
         if (
-            type(target) is not int  # (a NaN or a float compares false with everything)
-            or type(protected) is not int
-            or target < 0
-            or protected < 0
-            or protected > target
-            or target > self.capacity.blocks
+            blocks is None
+            or kept is None
+            or blocks < 0
+            or kept < 0
+            or kept > blocks
+            or blocks > self.capacity.blocks
         ):
             raise PolicyViolation(
                 policy,
                 f"headroom target {target!r} / protected {protected!r} must be whole blocks "
                 f"with 0 <= protected <= target <= capacity ({self.capacity.blocks})",
             )
-        self.headroom_target = target
-        self.protected_blocks = protected
+        self.headroom_target = blocks
+        self.protected_blocks = kept
 
     def grant_blocks(self, req: Request, boundary: int) -> int:
         """Blocks a grant covering ``boundary`` output tokens of ``req`` needs."""

@@ -76,7 +76,7 @@ from kvbudget.errors import (
     PolicyViolation,
     UnknownRequest,
 )
-from kvbudget.validate import check_float, check_int
+from kvbudget.validate import check_float, check_int, whole
 
 _NOTHING: tuple[ev.Action, ...] = ()
 _LIVE = LIVE_STATES
@@ -824,9 +824,10 @@ class Scheduler:
         rather than end short of one that holds it."""
         target = self.policy.headroom_target()
         protected = self.policy.protected_blocks() if self.protected_live else 0
-        if type(target) is int and type(protected) is int:
-            target = min(target, self.capacity.blocks)
-            protected = min(protected, target)
+        blocks, kept = whole(target), whole(protected)
+        if blocks is not None and kept is not None:
+            target = min(blocks, self.capacity.blocks)
+            protected = min(kept, target)
         # (else the ledger refuses it: min() would pass a NaN through as a number)
         self.ledger.set_headroom(target, protected, self.policy.name)
 
@@ -911,11 +912,12 @@ class Scheduler:
 
     def _lookahead(self, req: Request) -> int:
         """The policy's lookahead for ``req``'s next grant (``Policy.lookahead_tokens``)."""
-        ahead = self.policy.lookahead_tokens(req)
-        if type(ahead) is not int or ahead < 0:
+        answer = self.policy.lookahead_tokens(req)
+        ahead = whole(answer)
+        if ahead is None or ahead < 0:
             raise PolicyViolation(
                 self.policy.name,
-                f"lookahead for {req.request_id!r} must be >= 0 tokens, got {ahead!r}",
+                f"lookahead for {req.request_id!r} must be >= 0 tokens, got {answer!r}",
             )
         return ahead
 
