@@ -83,14 +83,19 @@ simulating (:func:`paced_simulation`: ``scale *= real gap / simulated gap`` unti
 (:func:`real_stream_gap`, what vLLM's inter-token latency histogram averages: decode steps, the
 prefills mixed into them and preempted requests' waits). The shape of the step time stays the
 profile's; what is still predicted is who waits and how long: good, late, rejected, TTFT.
-``--pace phases`` (the default) finds two such factors, one for the run while its requests were
-being sent and one for after (:func:`phased_simulation`, each from the streams whose middle came
-in that phase, :func:`real_phase_gaps`), and falls back to one where a phase has too few
-streams (:data:`MIN_PHASE_STREAMS`) or the client stalled: in some runs vLLM's server ran 1.5x
-slower while 160 requests came in than after (its first streams 11.6 ms between tokens, later
-ones 6-7 ms, both repeats of one run; not in a run an hour later), and one factor for the run
-then had the first streams finish early and the next ones admitted in time. Over five runs
-(docs/benchmarks.md) it missed 2 of vLLM's 26 cells against 6 with one factor. The
+``--pace phases`` (the default) finds one such factor per window of the run: the run while its
+requests were being sent and the run after are two phases, each cut into up to
+:data:`MAX_PHASE_WINDOWS` windows of at least :data:`MIN_WINDOW_STREAMS` completed streams
+(:func:`phased_simulation`, each window from the streams whose middle came in it,
+:func:`real_phase_gaps`); it falls back to one factor where a phase has too few streams
+(:data:`MIN_PHASE_STREAMS`) or the client stalled. In some runs vLLM's server ran 1.5x slower
+while 160 requests came in than after (its first streams 11.6 ms between tokens, later ones
+6-7 ms), and in one (the seventh session's second run) twice as slow in the first 6 s of the
+14 s in which moderate's requests came, then at the later pace: one factor for the run, or one
+per phase, then had the first streams finish early and the next callers admitted in time (34
+good real, 58 simulated). With two phases only, over five runs (docs/benchmarks.md) it missed
+2 of vLLM's 26 cells against 6 with one factor; with windows, none of vLLM's cells in the 13
+real runs kept here. The
 example is not paced by its streams (its gaps hold its own pauses, which are the policy's doing, not
 the engine's pace): where serve_bench kept the example's engine profile of each run (fitted from
 its engine's steps in that run alone, ``engine-profile-kvbudget-<workload>-r<k>.json``,
@@ -132,6 +137,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import itertools
 import json
 import math
 import os
@@ -193,9 +199,10 @@ NOTES = (
     "example fitted from its own engine steps over the run, timed whole: from one step's stats "
     "to the next as its front end received them), the same shape for both servers; with "
     "--pace phases (the default where the run's records are at hand) vLLM's server runs it at "
-    "the pace its own streams show in each repeat, while requests were sent and after (every "
-    "step time scaled by one factor per phase until the simulated streams' mean gap between "
-    "tokens is the real one's; --pace run: one factor): its API server's work around each "
+    "the pace its own streams show in each repeat, in windows of the run while requests were "
+    "sent and after (every step time scaled by one factor per window until the simulated "
+    "streams' mean gap between tokens there is the real one's; --pace run: one factor): "
+    "its API server's work around each "
     "step, its CPU contention with the engine core and the machine's speed in its stretch come "
     "in as those factors, not as their own shapes; the example's engine runs on "
     "the profile fitted from its steps in each repeat where serve_bench kept one (else the "
@@ -599,8 +606,8 @@ def simulate_workloads(
             client = ClientView(stalls)
 
             def run_at(
-                step_scale: float, slow: tuple[float, float] | None = None,
-                slow_speed: float = 1.0, server: str = server, scenario: Scenario = scenario,
+                step_scale: float, slow: Sequence[tuple[float, float, float]] | None = None,
+                server: str = server, scenario: Scenario = scenario,
                 reqs: Sequence[SimRequest] = reqs, stalls: Any = stalls,
                 engine_of: EngineModel = engine_of,
             ) -> tuple[Any, tuple[LengthModel, CostModel]]:
@@ -610,16 +617,15 @@ def simulate_workloads(
                 engine = engine_of if step_scale == 1.0 else scaled_engine(
                     engine_of, step_scale
                 )
-                # a slower phase of the run (--pace phases) takes the place of the client's
-                # stalls, which runs paced by phase have none of
-                spans, speed = ((slow,), slow_speed) if slow is not None else (stalls,
-                                                                               stall_speed)
+                # the slower windows of the run (--pace phases) take the place of the
+                # client's stalls, which runs paced by phase have none of
+                spans = slow if slow is not None else stalls
                 chosen = policies[server]
                 result = simulate(
                     reqs, scenario, engine, chosen if isinstance(chosen, str) else chosen(),
                     seed=seed,
                     keep_requests=True, lengths=lengths, cost=cost, stalls=spans,
-                    stall_speed=speed,
+                    stall_speed=stall_speed,
                 )
                 return result, (lengths, cost)
 
@@ -627,22 +633,23 @@ def simulate_workloads(
             phases = (
                 replay.phase_gaps.get(name, {}).get(server) if replay is not None else None
             )
-            arriving_scale: float | None = None
+            window_scales: list[float] | None = None
             phased = (
                 phased_simulation(run_at, phases, client)
                 if server in paced and pace == "phases" and phases is not None and not stalls
                 else None
             )
             if phased is not None:
-                (result, carried[server]), (arriving_scale, step_scale) = phased
+                (result, carried[server]), window_scales = phased
+                step_scale = window_scales[-1]
             elif server in paced and target is not None:
                 (result, carried[server]), step_scale = paced_simulation(run_at, target, client)
             else:
                 (result, carried[server]), step_scale = run_at(1.0), 1.0
             summary = summarize_sim(result.request_records, client)
             summary["step_scale"] = round(step_scale, 3)
-            if arriving_scale is not None:
-                summary["arriving_step_scale"] = round(arriving_scale, 3)
+            if window_scales is not None:
+                summary["window_step_scales"] = [round(x, 3) for x in window_scales]
             summary["engine_profile"] = "this run's" if server in own else "the run's"
             summary["policy"] = result.policy
             summary["engine_preemptions"] = result.preemptions
@@ -761,32 +768,55 @@ def paced_simulation(
 
 @dataclass(frozen=True)
 class PhaseGaps:
-    """A run's pace in its two phases (``--pace phases``): the mean gap between tokens
-    (:func:`mean_gap`) of the completed streams whose middle came before ``split_s`` (while
-    the client was still sending: ``arriving``) and of those after (``after``); ``split_s``:
-    when the last request was sent, seconds after the first."""
+    """A run's pace in windows of its time (``--pace phases``): ``gaps[i]`` is the mean gap
+    between tokens (:func:`mean_gap`) of the completed streams whose middle came in window
+    ``i``, the windows bounded by ``edges`` (seconds after the first send, ascending; the
+    first window starts before the run, the last never ends). ``split_s``, when the last
+    request was sent, is always one of the edges: the run while requests arrive and the run
+    after are two phases, each cut into windows of about equal numbers of streams."""
 
-    arriving: float
-    after: float
+    edges: tuple[float, ...]
+    gaps: tuple[float, ...]
     split_s: float
 
 
-#: ``--pace phases``: a phase is paced on its own only with at least this many streams in it
+#: ``--pace phases``: a phase is paced on its own only with at least this many streams in it,
+#: and cut into windows of at least MIN_WINDOW_STREAMS streams each, at most
+#: MAX_PHASE_WINDOWS of them
 MIN_PHASE_STREAMS = 8
+MIN_WINDOW_STREAMS = 12
+MAX_PHASE_WINDOWS = 3
+
+
+def _windows_of(streams: list[tuple[float, int, float]]) -> list[list[tuple[float, int, float]]]:
+    """``streams`` (sorted by middle) cut into windows of about equal numbers of streams."""
+    k = max(1, min(MAX_PHASE_WINDOWS, len(streams) // MIN_WINDOW_STREAMS))
+    return [streams[i * len(streams) // k:(i + 1) * len(streams) // k] for i in range(k)]
 
 
 def phase_gaps(streams: Sequence[tuple[float, int, float]], split_s: float) -> PhaseGaps | None:
     """:class:`PhaseGaps` of ``streams`` (``(middle, tokens, seconds from the first token to
     the last)`` each, ``middle`` on the run's clock); None where either phase has fewer than
     :data:`MIN_PHASE_STREAMS` streams of two tokens or more."""
-    early = [(n, span) for mid, n, span in streams if mid < split_s and n >= 2]
-    late = [(n, span) for mid, n, span in streams if mid >= split_s and n >= 2]
+    done = sorted(s for s in streams if s[1] >= 2)
+    early = [s for s in done if s[0] < split_s]
+    late = [s for s in done if s[0] >= split_s]
     if len(early) < MIN_PHASE_STREAMS or len(late) < MIN_PHASE_STREAMS:
         return None
-    arriving, after = mean_gap(early), mean_gap(late)
-    if arriving is None or after is None or arriving <= 0 or after <= 0:
-        return None
-    return PhaseGaps(arriving, after, split_s)
+    edges: list[float] = []
+    gaps: list[float] = []
+    for phase in (early, late):
+        windows = _windows_of(phase)
+        for before, after in itertools.pairwise(windows):
+            edges.append((before[-1][0] + after[0][0]) / 2)
+        for window in windows:
+            gap = mean_gap([(n, span) for _, n, span in window])
+            if gap is None or gap <= 0:
+                return None
+            gaps.append(gap)
+        if phase is early:
+            edges.append(split_s)
+    return PhaseGaps(tuple(edges), tuple(gaps), split_s)
 
 
 def real_phase_gaps(recs: Sequence[Mapping[str, Any]]) -> PhaseGaps | None:
@@ -798,61 +828,89 @@ def real_phase_gaps(recs: Sequence[Mapping[str, Any]]) -> PhaseGaps | None:
     return phase_gaps(real_streams(recs), split)
 
 
+def window_gaps(
+    streams: Sequence[tuple[float, int, float]], edges: Sequence[float]
+) -> list[float | None]:
+    """The mean gap between tokens of ``streams`` in each window that ``edges`` bound (None:
+    no stream of two tokens or more in it)."""
+    bounds = [-math.inf, *edges, math.inf]
+    out: list[float | None] = []
+    for lo, hi in itertools.pairwise(bounds):
+        out.append(mean_gap([(n, span) for mid, n, span in streams if lo <= mid < hi]))
+    return out
+
+
 def sim_phase_gaps(
-    records: Sequence[RequestRecord], client: ClientView, split_s: float
-) -> PhaseGaps | None:
-    """:func:`phase_gaps` of a simulated run's completed streams (:func:`sim_streams`)."""
-    return phase_gaps(sim_streams(records, client), split_s)
+    records: Sequence[RequestRecord], client: ClientView, edges: Sequence[float]
+) -> list[float | None]:
+    """:func:`window_gaps` of a simulated run's completed streams (:func:`sim_streams`)."""
+    return window_gaps(sim_streams(records, client), edges)
 
 
-#: ``--pace phases``: at most this many simulations to find the two phases' scales
+#: ``--pace phases``: at most this many simulations to find the windows' scales (the one
+#: whose windows came closest is kept), each step taking this power of the ratio: a window's
+#: pace moves its neighbours' streams too, and whole steps oscillate
 PHASE_TRIALS = 8
+PHASE_DAMPING = 0.6
+#: the driver's timeline: a span that starts before the run, one that never ends
+_BEFORE, _NEVER = -1.0, 1e9
 
 
-def phase_span(
-    arriving: float, after: float, split_s: float
-) -> tuple[float, tuple[float, float], float]:
-    """How the driver runs an engine whose step times are ``arriving`` times the profile's
-    until ``split_s`` and ``after`` times them since: ``(the scale of the faster phase, the
-    slower phase as a (begin, seconds) span, the speed in it)``."""
-    base = min(arriving, after)
-    if arriving >= after:
-        return base, (-1.0, split_s + 1.0), after / arriving
-    return base, (split_s, 1e9), arriving / after
+def phase_spans(
+    scales: Sequence[float], edges: Sequence[float]
+) -> tuple[float, list[tuple[float, float, float]]]:
+    """How the driver runs an engine whose step times are ``scales[i]`` times the profile's
+    in the window ``i`` that ``edges`` bound: ``(the scale of the fastest window, the slower
+    windows as (begin, seconds, speed in it) spans)``."""
+    base = min(scales)
+    bounds = [_BEFORE, *edges, _NEVER]
+    spans = [
+        (lo, hi - lo, base / scale)
+        for (lo, hi), scale in zip(itertools.pairwise(bounds), scales, strict=True)
+        if scale > base
+    ]
+    return base, spans
 
 
 def phased_simulation(
-    run_at: Callable[[float, tuple[float, float] | None, float], tuple[Any, _T]],
+    run_at: Callable[[float, Sequence[tuple[float, float, float]] | None], tuple[Any, _T]],
     target: PhaseGaps,
     client: ClientView,
-) -> tuple[tuple[Any, _T], tuple[float, float]] | None:
-    """``run_at(scale, slow span, speed in it)``'s result at the two step-time scales (one
-    while requests arrive, one after) whose simulated streams have the real run's mean gaps
-    in each phase (``target``, :func:`real_phase_gaps`), and those scales.
+) -> tuple[tuple[Any, _T], list[float]] | None:
+    """``run_at(scale, spans)``'s result at the step-time scales (one per window of the run)
+    whose simulated streams have the real run's mean gaps in each window (``target``,
+    :func:`real_phase_gaps`), and those scales.
 
     :func:`paced_simulation` finds one scale for a whole run; on this machine a run at times
     went 1.5x slower while its 160 requests were sent than after (vLLM's server, overload: its
-    first streams 11.6 ms between tokens, those after 6-7 ms, in two repeats of one run, and
-    not in a run an hour later), and one scale then has the first streams too fast and the
-    next ones admitted too early. The same rule per phase: ``scale *= real / simulated`` until
-    both agree within :data:`PACE_TOLERANCE`, at most :data:`PHASE_TRIALS` runs, within
-    :data:`PACE_BOUNDS`. Which requests wait, and how long, is still predicted. None where a
-    simulated phase has too few streams to measure (the caller paces the run as one)."""
-    arriving = after = 1.0
-    for trial in range(PHASE_TRIALS):
-        base, span, speed = phase_span(arriving, after, target.split_s)
-        out = run_at(base, span if speed < 1.0 else None, speed)
-        got = sim_phase_gaps(out[0].request_records, client, target.split_s)
-        if got is None:
+    first streams 11.6 ms between tokens, those after 6-7 ms), or twice as slow in its first
+    6 seconds only (vLLM's moderate: 12 ms, then 6 ms from the seventh second, while requests
+    were sent for 14 s), and one scale then has the first streams too fast and the next ones
+    admitted too early. The same rule per window, damped (:data:`PHASE_DAMPING`): ``scale *=
+    (real / simulated) ** 0.6`` until every window agrees within :data:`PACE_TOLERANCE`, at most
+    :data:`PHASE_TRIALS` runs (the closest kept), within :data:`PACE_BOUNDS` (a window without
+    a simulated stream keeps its scale). Which requests
+    wait, and how long, is still predicted. None where no simulated window has a stream to
+    measure (the caller paces the run as one)."""
+    scales = [1.0] * len(target.gaps)
+    best: tuple[float, tuple[Any, _T], list[float]] | None = None
+    for _ in range(PHASE_TRIALS):
+        base, spans = phase_spans(scales, target.edges)
+        out = run_at(base, spans)
+        got = sim_phase_gaps(out[0].request_records, client, target.edges)
+        if all(g is None for g in got):
             return None
-        if trial == PHASE_TRIALS - 1:
-            return out, (arriving, after)
-        r1, r2 = target.arriving / got.arriving, target.after / got.after
-        if abs(r1 - 1.0) <= PACE_TOLERANCE and abs(r2 - 1.0) <= PACE_TOLERANCE:
-            return out, (arriving, after)
-        arriving = min(max(arriving * r1, PACE_BOUNDS[0]), PACE_BOUNDS[1])
-        after = min(max(after * r2, PACE_BOUNDS[0]), PACE_BOUNDS[1])
-    raise AssertionError("unreachable")
+        ratios = [1.0 if g is None or g <= 0 else t / g for t, g in zip(target.gaps, got,
+                                                                         strict=True)]
+        off = max(abs(r - 1.0) for r in ratios)
+        if best is None or off < best[0]:
+            best = (off, out, scales)
+        if off <= PACE_TOLERANCE:
+            break
+        scales = [min(max(sc * r**PHASE_DAMPING, PACE_BOUNDS[0]), PACE_BOUNDS[1])
+                  for sc, r in zip(scales, ratios, strict=True)]
+    assert best is not None
+    return best[1], best[2]
 
 
 def with_send_times(plan: Sequence[Planned], sent: Mapping[int, float]) -> list[Planned]:
@@ -1240,7 +1298,7 @@ def median_of_runs(
             frozen = [sim[workload][server].get("frozen_streams") for sim in sims]
             if None not in frozen:
                 merged["frozen_streams"] = _median([float(x) for x in frozen if x is not None])
-            for key in ("step_scale", "arriving_step_scale"):
+            for key in ("step_scale",):
                 scales = [sim[workload][server].get(key) for sim in sims]
                 if None not in scales:
                     merged[key] = _median([float(x) for x in scales if x is not None])
@@ -1539,12 +1597,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"# {server}'s engine pace from its streams (step-time scale, median of runs): "
               f"{scales}")
-        arriving = ", ".join(
-            f"{w} {sim[w][server]['arriving_step_scale']:g}" for w in sim
-            if "arriving_step_scale" in sim[w].get(server, {})
+        windows = ", ".join(
+            f"{w} " + "/".join(f"{x:g}" for x in sim[w][server]["window_step_scales"])
+            for w in sim if "window_step_scales" in sim[w].get(server, {})
         )
-        if arriving:
-            print(f"# {server}'s pace while requests were sent (--pace phases): {arriving}")
+        if windows:
+            print(f"# {server}'s pace per window of its run, first to last (--pace phases, the "
+                  f"first run): {windows}")
     speed = speed_check(result)
     if speed is not None:
         print(f"# engine speed at light load (abandon, vllm): TPOT p50 real "

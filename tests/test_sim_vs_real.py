@@ -578,14 +578,26 @@ def test_the_pace_is_found_from_the_streams_gap() -> None:
 
 def test_phase_gaps_split_the_streams_by_their_middle() -> None:
     """``--pace phases``: the streams whose middle came while requests were still sent and
-    those after, each phase's mean gap; too few streams in a phase give none."""
+    those after, each phase cut into windows of about equal numbers of streams (at least 12
+    each, at most 3 per phase), each window's mean gap; too few streams in a phase give none."""
     streams = [(1.0, 11, 0.5)] * 8 + [(5.0, 11, 0.2)] * 8
     got = svr.phase_gaps(streams, 4.0)
-    assert got is not None and got.split_s == 4.0
-    assert (got.arriving, got.after) == (pytest.approx(0.05), pytest.approx(0.02))
+    assert got is not None and got.split_s == 4.0 and got.edges == (4.0,)
+    assert got.gaps == (pytest.approx(0.05), pytest.approx(0.02))
     assert svr.phase_gaps(streams[:-1], 4.0) is None  # 7 after
-    assert svr.phase_span(1.5, 1.0, 4.0) == (1.0, (-1.0, 5.0), pytest.approx(1 / 1.5))
-    assert svr.phase_span(1.0, 2.0, 4.0) == (1.0, (4.0, 1e9), 0.5)
+    # 36 streams while requests arrive, slower in their first third; 8 after
+    early = [(0.1 * i, 11, 1.0 if i < 12 else 0.5) for i in range(36)]
+    got = svr.phase_gaps(early + [(5.0, 11, 0.2)] * 8, 4.0)
+    assert got is not None
+    assert got.edges == (pytest.approx(1.15), pytest.approx(2.35), 4.0)
+    assert got.gaps == tuple(pytest.approx(g) for g in (0.1, 0.05, 0.05, 0.02))
+    assert svr.window_gaps(early, got.edges) == [
+        pytest.approx(0.1), pytest.approx(0.05), pytest.approx(0.05), None
+    ]
+    # the slower windows run as spans of the timeline at the fastest one's scale
+    assert svr.phase_spans([1.5, 1.0], (4.0,)) == (1.0, [(-1.0, 5.0, pytest.approx(1 / 1.5))])
+    assert svr.phase_spans([1.0, 2.0, 1.0], (4.0, 6.0)) == (1.0, [(4.0, 2.0, 0.5)])
+    assert svr.phase_spans([1.0, 2.0], (4.0,)) == (1.0, [(4.0, 1e9 - 4.0, 0.5)])
     # 8 streams sent in the first second; the last send 6 s after the first; 8 streams sent
     # before it whose middle comes after it (a long wait for their first token)
     recs: list[dict[str, Any]] = [
@@ -601,38 +613,39 @@ def test_phase_gaps_split_the_streams_by_their_middle() -> None:
               "latency": None}]
     real = svr.real_phase_gaps(recs)
     assert real is not None and real.split_s == pytest.approx(6.0)
-    assert real.arriving == pytest.approx(0.05) and real.after == pytest.approx(0.02)
+    assert real.gaps == (pytest.approx(0.05), pytest.approx(0.02))
 
 
-def test_the_pace_of_each_phase_is_found_from_its_streams() -> None:
+def test_the_pace_of_each_window_is_found_from_its_streams() -> None:
     """``--pace phases``: planted, the overload workload simulated with every step 1.6x as
-    long while its requests are sent and 1.0x after (as vLLM's server ran in one real run);
-    the search, starting from the profile, finds both scales within 10 % and returns the run
-    made at them. One scale for the whole run (``--pace run``) cannot: its first streams come
-    out faster than the planted run's."""
+    long in the first 2 s and 1.0x after (as vLLM's server ran in real runs: slow in its first
+    seconds only); the search, starting from the profile, finds the windows' scales (the
+    first near 1.6, the last near 1.0) and returns a run whose windows have the planted mean
+    gaps. One scale for the whole run (``--pace run``) cannot: its first streams come out
+    faster than the planted run's."""
     profile = svr.EngineProfile.load("vllm-cpu-tiny")
     plan = svr.plan_workload("overload", 0, TOK)
     scenario, reqs = svr.sim_requests(plan)
     split = max(p.arrival_s for p in plan)
     client = svr.ClientView()
 
-    def run_at(scale: float, slow: Any = None, speed: float = 1.0) -> tuple[Any, float]:
+    def run_at(scale: float, spans: Any = None) -> tuple[Any, float]:
         engine = svr.scaled_engine(profile.engine_model(), scale)
-        spans = () if slow is None else ((*slow, speed),)
         result = svr.simulate(reqs, scenario, engine, "reserve-current", keep_requests=True,
-                              stalls=spans)
+                              stalls=spans or ())
         return result, scale
 
-    base, span, speed = svr.phase_span(1.6, 1.0, split)
-    planted = run_at(base, span, speed)[0].request_records
-    target = svr.sim_phase_gaps(planted, client, split)
-    assert target is not None and target.arriving > 1.3 * target.after
+    planted = run_at(1.0, [(-1.0, 3.0, 1 / 1.6)])[0].request_records
+    target = svr.phase_gaps(svr.sim_streams(planted, client), split)
+    assert target is not None and len(target.gaps) >= 3
+    assert target.gaps[0] > 1.3 * target.gaps[-1]
     found = svr.phased_simulation(run_at, target, client)
     assert found is not None
-    (result, _), (arriving, after) = found
-    assert arriving == pytest.approx(1.6, rel=0.1) and after == pytest.approx(1.0, rel=0.1)
-    got = svr.sim_phase_gaps(result.request_records, client, split)
-    assert got is not None and got.arriving == pytest.approx(target.arriving, rel=0.05)
+    (result, _), scales = found
+    assert scales[0] == pytest.approx(1.6, rel=0.15) and scales[-1] == pytest.approx(1.0, rel=0.1)
+    got = svr.sim_phase_gaps(result.request_records, client, target.edges)
+    for want, have in zip(target.gaps, got, strict=True):
+        assert have == pytest.approx(want, rel=0.05)
     first = min(planted, key=lambda r: r.arrival_s)
     (one, _), _scale = svr.paced_simulation(run_at, svr.sim_stream_gap(planted, client) or 0.0,
                                             client)
