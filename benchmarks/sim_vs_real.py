@@ -804,19 +804,16 @@ def phase_gaps(streams: Sequence[tuple[float, int, float]], split_s: float) -> P
     if len(early) < MIN_PHASE_STREAMS or len(late) < MIN_PHASE_STREAMS:
         return None
     edges: list[float] = []
-    gaps: list[float] = []
     for phase in (early, late):
-        windows = _windows_of(phase)
-        for before, after in itertools.pairwise(windows):
+        for before, after in itertools.pairwise(_windows_of(phase)):
             edges.append((before[-1][0] + after[0][0]) / 2)
-        for window in windows:
-            gap = mean_gap([(n, span) for _, n, span in window])
-            if gap is None or gap <= 0:
-                return None
-            gaps.append(gap)
         if phase is early:
             edges.append(split_s)
-    return PhaseGaps(tuple(edges), tuple(gaps), split_s)
+    # (read back by the edges, as a simulated run's streams are: ties fall alike)
+    gaps = window_gaps(done, edges)
+    if any(g is None or g <= 0 for g in gaps):
+        return None
+    return PhaseGaps(tuple(edges), tuple(g for g in gaps if g is not None), split_s)
 
 
 def real_phase_gaps(recs: Sequence[Mapping[str, Any]]) -> PhaseGaps | None:
