@@ -408,10 +408,20 @@ def test_an_odd_headroom_or_lookahead_is_refused_and_the_caller_still_waits(
 
 
 def test_whole_numbers_of_other_types_are_answers_too() -> None:
+    """One rule for every count a policy answers (kvbudget.validate.whole): any integer type,
+    not a bool, not a float."""
     np = pytest.importorskip("numpy")
     policy = OddAnswers(headroom=np.int64(3), lookahead=np.int32(2))
+    policy.allowance, policy.step = np.int64(8), np.int16(8)  # type: ignore[assignment]
     s = Scheduler(Capacity(64, 4), policy=policy)
     assert of(s.arrive("a", spec(), 0.0), ev.Admit, "a")
+    assert type(s.requests["a"].boundary) is int and s.requests["a"].boundary == 8
+    grown = to_boundary(s, "a", 0.1)  # (asked 2 tokens ahead: the lookahead)
+    assert of(grown, ev.Extend, "a") and s.requests["a"].boundary == 16
+    for bad in (True, 2.0):
+        odd = Scheduler(Capacity(64, 4), policy=Fixed(allowance=bad))  # type: ignore[arg-type]
+        with pytest.raises(PolicyViolation, match="initial allowance"):
+            odd.arrive("a", spec(), 0.0)
     assert type(s.ledger.headroom_target) is int and s.ledger.headroom_target == 3
     assert s.requests["a"].ask_at == s.requests["a"].boundary - 2
 

@@ -301,12 +301,13 @@ class Scheduler:
         if not req.spec.resumable:
             # a request the engine cannot resume exactly is never paused: its whole hard max
             return req.remaining
-        allowance = self.policy.initial_allowance(req)
-        if not isinstance(allowance, int) or allowance < 1 or allowance > req.remaining:
+        answer = self.policy.initial_allowance(req)
+        allowance = whole(answer)
+        if allowance is None or allowance < 1 or allowance > req.remaining:
             raise PolicyViolation(
                 self.policy.name,
                 f"initial allowance for {req.request_id!r} must be in [1, {req.remaining}], "
-                f"got {allowance!r}",
+                f"got {answer!r}",
             )
         return allowance
 
@@ -871,11 +872,12 @@ class Scheduler:
         return ahead is not None and req.boundary < req.hard_max and bool(ahead(req))
 
     def _try_extend(self, req: Request, actions: list[ev.Action]) -> bool:
-        tokens = self.policy.extension_tokens(req)
-        if tokens is None:
+        answer = self.policy.extension_tokens(req)
+        if answer is None:
             return False
-        if not isinstance(tokens, int) or tokens < 1:
-            raise PolicyViolation(self.policy.name, f"extension must be >= 1 token, got {tokens!r}")
+        tokens = whole(answer)
+        if tokens is None or tokens < 1:
+            raise PolicyViolation(self.policy.name, f"extension must be >= 1 token, got {answer!r}")
         boundary = req.boundary + tokens
         if boundary > req.hard_max:
             raise PolicyViolation(
