@@ -575,7 +575,7 @@ def simulate_workloads(
     runs at ``stall_speed`` of its speed (a fitted figure, module docstring). ``front_ends``:
     each server's front-end process (:func:`front_ends_of`); a server without one gets its
     tokens as the engine makes them. ``paced``: servers whose engine runs at the pace the
-    replayed run's own streams show, not the profile's: per phase (``pace`` "phases",
+    replayed run's own streams show, not the profile's: per window (``pace`` "phases",
     :func:`phased_simulation`; its summary also says ``arriving_step_scale``) or one for the run
     (:func:`paced_simulation`; "run"); each such summary says its ``step_scale``."""
     send_times = replay.send_times if replay is not None else {}
@@ -1014,8 +1014,8 @@ class Replay:
     #: a budgeted server's engine profile fitted from its steps in this run alone
     #: (:func:`stretch_profiles`; ``--pace run`` and ``phases``)
     profiles: dict[str, dict[str, EngineProfile]] = field(default_factory=dict)
-    #: the mean gap between tokens of the streams whose middle came while requests were
-    #: still being sent and of those after, and when the last was sent
+    #: the mean gap between tokens of the streams whose middle came in each window of the
+    #: run (the windows cut from the phases while requests were sent and after)
     #: (:func:`real_phase_gaps`; ``--pace phases``)
     phase_gaps: dict[str, dict[str, PhaseGaps]] = field(default_factory=dict)
 
