@@ -576,7 +576,7 @@ def simulate_workloads(
     each server's front-end process (:func:`front_ends_of`); a server without one gets its
     tokens as the engine makes them. ``paced``: servers whose engine runs at the pace the
     replayed run's own streams show, not the profile's: per window (``pace`` "phases",
-    :func:`phased_simulation`; its summary also says ``arriving_step_scale``) or one for the run
+    :func:`phased_simulation`; its summary also says ``window_step_scales``) or one for the run
     (:func:`paced_simulation`; "run"); each such summary says its ``step_scale``."""
     send_times = replay.send_times if replay is not None else {}
     engine = profile.engine_model()
