@@ -426,6 +426,40 @@ def test_whole_numbers_of_other_types_are_answers_too() -> None:
     assert s.requests["a"].ask_at == s.requests["a"].boundary - 2
 
 
+class SecondAnswerOdd(Fixed):
+    """Answers a's extension as asked twice, then 2.5 tokens (the scheduler asks a third time
+    when it sizes the room a blocked stream preempts others for); others get none and wait."""
+
+    name = "second-answer-odd"
+
+    def __init__(self) -> None:
+        super().__init__(blocked=Blocked.PREEMPT_OTHERS)
+        self.asked: dict[str, int] = {}
+
+    def extension_tokens(self, req: Request) -> int | None:
+        if req.request_id != "a":
+            return None
+        n = self.asked[req.request_id] = self.asked.get(req.request_id, 0) + 1
+        # (asked ahead of the boundary, at it, then to size the preemption)
+        return 8 if n <= 2 else 2.5  # type: ignore[return-value]
+
+    def on_blocked(self, req: Request) -> Blocked:
+        return Blocked.PREEMPT_OTHERS if req.request_id == "a" else Blocked.WAIT
+
+
+def test_an_odd_extension_answer_is_refused_where_it_sizes_a_preemption_too() -> None:
+    """Every extension answer goes through one check, also the second one the scheduler asks for
+    a stream blocked at its boundary (which sizes the room it preempts others for): before, a
+    fractional answer there stopped a victim for a boundary of 14.5 tokens."""
+    s = Scheduler(Capacity(6, 4), policy=SecondAnswerOdd())
+    assert of(s.arrive("a", spec(), 0.0), ev.Admit, "a")
+    assert of(s.arrive("b", spec(), 0.0), ev.Admit, "b")
+    to_boundary(s, "b", 0.1)
+    with pytest.raises(PolicyViolation, match="extension must be"):
+        push(s, "a", 0.2)  # (the cache is full: its extension cannot be granted)
+    assert s.requests["b"].state is State.RUNNING and s.preempting == 0
+
+
 # == behaviour ===================================================================================
 
 

@@ -871,13 +871,21 @@ class Scheduler:
         ahead = getattr(self.policy, "acts_ahead", None)
         return ahead is not None and req.boundary < req.hard_max and bool(ahead(req))
 
-    def _try_extend(self, req: Request, actions: list[ev.Action]) -> bool:
+    def _extension_answer(self, req: Request) -> int | None:
+        """The policy's extension for ``req`` (``Policy.extension_tokens``), checked: None (no
+        extension now) or a whole number >= 1."""
         answer = self.policy.extension_tokens(req)
         if answer is None:
-            return False
+            return None
         tokens = whole(answer)
         if tokens is None or tokens < 1:
             raise PolicyViolation(self.policy.name, f"extension must be >= 1 token, got {answer!r}")
+        return tokens
+
+    def _try_extend(self, req: Request, actions: list[ev.Action]) -> bool:
+        tokens = self._extension_answer(req)
+        if tokens is None:
+            return False
         boundary = req.boundary + tokens
         if boundary > req.hard_max:
             raise PolicyViolation(
@@ -974,7 +982,7 @@ class Scheduler:
             self._preempt(req, now, actions, reason="boundary")
             return
         if decision is Blocked.PREEMPT_OTHERS:
-            want = self.policy.extension_tokens(req) or 1
+            want = self._extension_answer(req) or 1
             boundary = min(req.hard_max, req.boundary + want)
             need = self.ledger.grant_blocks(req, boundary) - req.blocks
             need = max(1, need - self.ledger.spare(req.cls.protected))
