@@ -349,8 +349,9 @@ def _full_cache(policy: BasePolicy) -> Scheduler:
         (lambda s: [s.requests["b"], s.requests["b"]], "victim 'b' chosen twice"),
         (lambda s: [s.requests["b"], s.requests["q"]], "victim 'q' is not one of the candidates"),
         (lambda s: None, "victims must be a list of requests, got None"),
+        (lambda s: ["b"], "victim 'b' is not one of the candidates offered (requests)"),
     ],
-    ids=["twice", "queued", "none"],
+    ids=["twice", "queued", "none", "bare-id"],
 )
 def test_a_bad_victim_list_is_refused_before_anyone_is_stopped(
     pick: Callable[[Scheduler], list[Request]], detail: str
@@ -405,6 +406,17 @@ def test_an_odd_headroom_or_lookahead_is_refused_and_the_caller_still_waits(
     assert s.requests["a"].state is State.QUEUED and s.ledger.reserved == 0
     policy._odd_headroom, policy.lookahead = 0, 0
     assert of(s.tick(0.1), ev.Admit, "a")
+
+
+def test_a_headroom_past_the_cache_or_a_protected_part_past_the_target_is_capped() -> None:
+    """The documented cap (docs/harness.md): the target at the cache, the protected part at the
+    target; both are still whole blocks."""
+    s = Scheduler(Capacity(8, 4), policy=Fixed(headroom=10**6, protected=10**6))
+    s.arrive("a", spec(cls="interactive"), 0.0)  # (a protected class is live: its part counts)
+    assert (s.ledger.headroom_target, s.ledger.protected_blocks) == (8, 8)
+    s = Scheduler(Capacity(8, 4), policy=Fixed(headroom=2, protected=5))
+    s.arrive("a", spec(cls="interactive"), 0.0)
+    assert (s.ledger.headroom_target, s.ledger.protected_blocks) == (2, 2)
 
 
 def test_whole_numbers_of_other_types_are_answers_too() -> None:

@@ -956,8 +956,11 @@ class Scheduler:
         for victim in victims:
             rid = getattr(victim, "request_id", None)
             if rid not in offered or self.live.get(rid) is not victim:
+                # (named by its id where it has one; else as given: a bare id, say)
+                name = victim if rid is None else rid
                 raise PolicyViolation(
-                    self.policy.name, f"{what} victim {rid!r} is not one of the candidates offered"
+                    self.policy.name,
+                    f"{what} victim {name!r} is not one of the candidates offered (requests)",
                 )
             if rid in chosen:
                 raise PolicyViolation(self.policy.name, f"{what} victim {rid!r} chosen twice")
