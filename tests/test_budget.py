@@ -25,11 +25,14 @@ from kvbudget import (
     InvalidTransition,
     Lease,
     Overloaded,
+    PolicyViolation,
     Preempted,
     SchedulerConfig,
     ServiceClass,
 )
 from kvbudget.core.lengths import LengthModel
+from kvbudget.core.lifecycle import Request
+from kvbudget.core.policy import BasePolicy
 from kvbudget.engines.sim import Faults, SimEngine
 
 pytestmark = pytest.mark.anyio
@@ -61,6 +64,47 @@ async def test_lease_lifecycle_blocks_return_only_on_confirmation() -> None:
     snap = budget.snapshot()
     assert snap.reserved_blocks == 0 and snap.totals.completed == 1
     assert budget.pending_leases == 0
+
+
+class _OddFor(BasePolicy):
+    """Grants the hard max, but answers a negative lookahead for request 'bad' (asked once it
+    is queued, in the admission pass) and raises from ``on_granted`` for request 'loud'."""
+
+    name = "odd-for"
+
+    def lookahead_tokens(self, req: Request) -> int:
+        return -1 if req.request_id == "bad" else 0
+
+    def on_granted(self, req: Request) -> None:
+        if req.request_id == "loud":
+            raise RuntimeError("on_granted bug")
+
+
+async def test_a_refused_policy_answer_at_arrival_leaves_no_request_behind() -> None:
+    """The caller gets the PolicyViolation, and the request the core had queued for it is
+    given up: before, it stayed queued with no lease, to be admitted (blocks reserved) for
+    nobody once the policy answered again."""
+    budget = Budget(Capacity(100, 16), policy=_OddFor())
+    with pytest.raises(PolicyViolation, match="lookahead"):
+        async with budget.lease(spec(), "bad"):
+            pass
+    assert "bad" not in budget.scheduler.requests and budget.pending_leases == 0
+    assert budget.snapshot().queued == 0 and budget.snapshot().reserved_blocks == 0
+    async with budget.lease(spec(), "good") as lease:  # (the next caller is served)
+        lease.charge(2)
+    assert budget.confirm_release("good") and budget.snapshot().reserved_blocks == 0
+
+
+async def test_a_notification_that_raises_is_logged_and_the_lease_goes_on() -> None:
+    budget = Budget(Capacity(100, 16), policy=_OddFor())
+    with structlog.testing.capture_logs() as logs:
+        async with budget.lease(spec(), "loud") as lease:
+            lease.charge(2)
+    faults = [e for e in logs if e["event"] == "policy_fault"]
+    assert len(faults) == 1 and faults[0]["log_level"] == "error"
+    assert faults[0]["detail"] == "on_granted for 'loud' raised RuntimeError('on_granted bug')"
+    assert budget.snapshot().policy_faults == 1
+    assert budget.confirm_release("loud") and budget.snapshot().reserved_blocks == 0
 
 
 async def test_explicit_finish_and_exception_exit_cancels() -> None:

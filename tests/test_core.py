@@ -472,6 +472,79 @@ def test_an_odd_extension_answer_is_refused_where_it_sizes_a_preemption_too() ->
     assert s.requests["b"].state is State.RUNNING and s.preempting == 0
 
 
+class FaultyHooks(Fixed):
+    """A policy whose notifications raise (``fail``: the hook names), and whose admission gate
+    raises while ``boom`` is set."""
+
+    name = "faulty-hooks"
+
+    def __init__(self, fail: tuple[str, ...] = (), **kw: Any) -> None:
+        super().__init__(**kw)
+        self.fail, self.boom = fail, False
+
+    def _hook(self, name: str) -> None:
+        if name in self.fail:
+            raise RuntimeError(f"{name} bug")
+
+    def on_granted(self, req: Request) -> None:
+        self._hook("on_granted")
+
+    def on_leave(self, req: Request) -> None:
+        self._hook("on_leave")
+
+    def on_finished(self, req: Request, length: int) -> None:
+        self._hook("on_finished")
+
+    def on_step(self) -> None:
+        self._hook("on_step")
+
+    def admit(self, req: Request, blocks: int) -> bool:
+        if self.boom:
+            raise RuntimeError("admit bug")
+        return True
+
+
+def test_a_notification_that_raises_is_counted_not_let_out_half_way() -> None:
+    """Notifications decide nothing: one that raises used to leave the change it reported half
+    made (on_granted raised after the grant and before its Admit: blocks reserved for a caller
+    never told). Now the change completes, the fault is counted and kept."""
+    hooks = ("on_granted", "on_leave", "on_finished", "on_step")
+    s = Scheduler(Capacity(16, 4), policy=FaultyHooks(fail=hooks))
+    assert of(s.arrive("a", spec(), 0.0), ev.Admit, "a")
+    s.charge("a", 2, 0.1)
+    assert s.observe_step(1, 6, 0.01, 0.1) == []
+    s.finish("a", "stop", 0.2)
+    assert of(s.confirm_release("a", 0.3), ev.Released, "a")
+    assert s.policy_faults == 4 and s.snapshot().policy_faults == 4
+    details = [f.detail for f in s.policy_fault_log]
+    assert details[0] == "on_granted for 'a' raised RuntimeError('on_granted bug')"
+    assert {d.split(" ")[0] for d in details} == set(hooks)
+    assert s.ledger.reserved == 0 and s.active == 0 and not s.live
+
+
+def test_a_pass_cut_short_strands_nothing() -> None:
+    """A pass that grew a grant and was then cut short by a policy that raised for the next
+    caller: the growth is in the ledger, so its Extend (and the Released before it) come out of
+    the next pass instead of being lost with the exception."""
+    policy = FaultyHooks(allowance=3, step=4)
+    s = Scheduler(Capacity(4, 4), policy=policy, config=SchedulerConfig(slack_tokens=0))
+    s.arrive("a", spec(prompt=4), 0.0)
+    s.arrive("b", spec(prompt=4), 0.0)
+    s.arrive("q", spec(prompt=1), 0.0)  # (1 block with its allowance; the cache is full)
+    assert s.requests["q"].state is State.QUEUED
+    assert of(to_boundary(s, "a", 0.1), ev.Deny, "a")
+    s.charge("b", 3, 0.1)
+    s.finish("b", "stop", 0.2)
+    policy.boom = True
+    with pytest.raises(RuntimeError, match="admit bug"):
+        s.confirm_release("b", 0.3)
+    assert s.requests["a"].boundary == 8  # (grown in the ledger: its blocks filled)
+    policy.boom = False
+    out = s.tick(0.4)
+    assert of(out, ev.Released, "b") and of(out, ev.Extend, "a") and of(out, ev.Admit, "q")
+    assert s.tick(0.5) == []
+
+
 # == behaviour ===================================================================================
 
 

@@ -189,6 +189,21 @@ def test_catches_continuation_not_allowed_harness_check() -> None:
     assert "inv. 6" in str(e)
 
 
+class LeaveRaises(CalibratedPolicy):
+    """A notification that raises: the core goes on without it, the harness must still fail."""
+
+    name = "bug-leave-raises"
+
+    def on_leave(self, req: Request) -> None:
+        raise ZeroDivisionError("on_leave bug")
+
+
+def test_catches_a_notification_that_raises() -> None:
+    m = BudgetStateMachine.for_policy(lambda _truth: LeaveRaises())
+    e = assert_caught(m, (PolicyViolation,), lambda e: "on_leave" in str(e))
+    assert "raised ZeroDivisionError('on_leave bug')" in str(e)
+
+
 # -- the harness itself: its checks are not vacuous ----------------------------------------------
 
 

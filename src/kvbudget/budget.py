@@ -432,7 +432,17 @@ class Lease:
             raise DuplicateRequest(rid)
         self._arrived = True
         sched = budget._sched
-        actions = sched.arrive(rid, self.spec, self._clock())
+        now = self._clock()
+        try:
+            actions = sched.arrive(rid, self.spec, now)
+        except Exception:
+            # (a policy answer refused in the admission pass: the caller gets the error, and
+            # the request the core queued for it is given up, not left to be admitted for
+            # nobody; what the pass had decided for others comes out of the next one)
+            if rid in sched.requests:
+                with contextlib.suppress(Exception):
+                    budget._apply(sched.cancel(rid, now))
+            raise
         self._req = sched.requests.get(rid)
         if self._req is not None:
             budget._leases[rid] = self
@@ -585,6 +595,7 @@ class Budget:
         self.engine = engine
         self._leases: dict[str, Lease] = {}
         self._tg: anyio.abc.TaskGroup | None = None
+        self._policy_faults_logged = 0
         self._closed = False
         self._running = False
         self._jobs = 0
@@ -678,8 +689,18 @@ class Budget:
             **kw,
         )
 
+    def _log_policy_faults(self) -> None:
+        """The policy's notifications that raised since the last report (the core went on)."""
+        sched = self._sched
+        new = sched.policy_faults - self._policy_faults_logged
+        self._policy_faults_logged = sched.policy_faults
+        for fault in list(sched.policy_fault_log)[-new:]:
+            log.error("policy_fault", policy=fault.policy, detail=fault.detail)
+
     def _apply(self, actions: Iterable[ev.Action], arriving: Lease | None = None) -> None:
         """Carry out the core's actions: update the leases they name and wake their waiters."""
+        if self._sched.policy_faults != self._policy_faults_logged:
+            self._log_policy_faults()
         leases = self._leases
         for a in actions:
             rid = a.request_id

@@ -156,6 +156,14 @@ _EVENT_LIST: tuple[EventSpec, ...] = (
         per_request=False,
     ),
     EventSpec(
+        "policy_fault",
+        "error",
+        ("policy", "detail"),
+        "a policy notification (on_granted, on_leave, on_finished, on_step) raised; the budget "
+        "went on as if it had returned (counted in Snapshot.policy_faults)",
+        per_request=False,
+    ),
+    EventSpec(
         "reconciliation",
         "info",
         ("released", "blocks", "engine_used_blocks"),
@@ -344,6 +352,7 @@ SNAPSHOT_SCALARS: Final[tuple[str, ...]] = (
     "engine_preemptions",
     "wait_in_time_share",
     "wait_forecast_samples",
+    "policy_faults",
 )
 
 
@@ -486,6 +495,11 @@ GAUGES: Final[Mapping[str, tuple[str, str]]] = {
     "wait_forecast_samples": (
         "wait_forecast_samples",
         "Outcomes of queued callers the turn-away at arrival read for that forecast.",
+    ),
+    "policy_faults": (
+        "policy_faults",
+        "Policy notifications that raised since start (the budget went on without them; each "
+        "is logged as policy_fault).",
     ),
 }
 

@@ -42,7 +42,7 @@ the policy (:mod:`~kvbudget.core.policy`), which reads the scheduler through
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvbudget.core import events as ev
@@ -170,6 +170,15 @@ class Scheduler:
         #: are back: :meth:`_protected_head_room`)
         self._round_for: dict[str, _PauseRound] = {}
         self._round_of_victim: dict[str, _PauseRound] = {}
+        #: actions already in effect in the ledger when a pass was cut short by an exception
+        #: (a policy's answer refused, or a policy that raised): the next pass returns them
+        #: first, so the shell still carries them out (its tick, at the latest)
+        self._stranded: list[ev.Action] = []
+        #: policy notifications (on_granted, on_leave, on_finished, on_step) that raised: the
+        #: core goes on as if they had returned (they decide nothing), counts them here and
+        #: keeps the last few (:attr:`policy_fault_log`) for the shell to report
+        self.policy_faults = 0
+        self.policy_fault_log: deque[PolicyViolation] = deque(maxlen=16)
         self.now = 0.0
         self.counters: dict[tuple[str, str], Counters] = {}
         #: rejections by reason ("deadline", "queue-timeout", "first-token-late", "too-large", ...)
@@ -505,7 +514,7 @@ class Scheduler:
             self.lengths.record_outcome(
                 req.key, req.allowance, req.generated, req.cls.initial_quantile
             )
-        self.policy.on_finished(req, req.generated)
+        self._notify("on_finished", req.request_id, req, req.generated)
         return self._pump(now)
 
     def cancel(self, request_id: str, now: float) -> list[ev.Action]:
@@ -532,8 +541,7 @@ class Scheduler:
         actions: list[ev.Action] = []
         if was_live:
             actions.append(ev.Abort(request_id, "cancelled"))
-        actions.extend(self._pump(now))
-        return actions
+        return self._pump(now, actions)
 
     def fail(self, request_id: str, detail: str, now: float) -> list[ev.Action]:
         """The engine failed the request. Blocks stay charged until it confirms."""
@@ -586,7 +594,7 @@ class Scheduler:
         self.active -= 1
         del self.live[req.request_id]
         self.active_context -= req.prompt + req.generated
-        self.policy.on_leave(req)
+        self._notify("on_leave", req.request_id, req)
         if req.cls.protected:
             self.protected_live -= 1
             if not self.protected_live:
@@ -654,8 +662,7 @@ class Scheduler:
             outcome = lifecycle.count_release(req)
             actions.append(ev.Released(req.request_id, freed, outcome))
             self._forget(req)
-        actions.extend(self._pump(now))
-        return actions
+        return self._pump(now, actions)
 
     def _victim_back(self, rid: str) -> None:
         """``rid``'s blocks are back (or it stopped for good): once all of its pause round's are,
@@ -721,7 +728,7 @@ class Scheduler:
         self._time(now)
         if batch_size > 0:
             self.cost.observe_decode(batch_size, context_tokens, seconds)
-        self.policy.on_step()
+        self._notify("on_step", None)
         return []
 
     def tick(self, now: float) -> list[ev.Action]:
@@ -739,7 +746,7 @@ class Scheduler:
         if self.front and self.queues.count() and not self.preempting:
             # a queued head's bound runs down with time alone: the admission pass decides at
             # its last responsible moment, not only at the next release
-            actions.extend(self._pump(now))
+            self._pump(now, actions)
         timeout = self.config.confirm_timeout_s
         for req in list(self._stopping.values()):
             if (
@@ -750,8 +757,7 @@ class Scheduler:
             ):
                 req.unconfirmed = True
                 req.stats.unconfirmed += 1
-        actions.extend(self._pump(now))
-        return actions
+        return self._pump(now, actions)
 
     def reconcile(self, engine_used_blocks: int, now: float) -> list[ev.Action]:
         """Compare the engine's KV usage with the ledger; free unconfirmed stops it no longer holds.
@@ -832,15 +838,39 @@ class Scheduler:
         # (else the ledger refuses it: min() would pass a NaN through as a number)
         self.ledger.set_headroom(target, protected, self.policy.name)
 
-    def _pump(self, now: float) -> list[ev.Action]:
-        actions: list[ev.Action] = []
-        self._refresh_headroom()
-        if self._waiting_ext:
-            self._serve_extensions(now, actions)
-        self._admit(now, actions)
-        if self._waiting_ext:
-            self._ensure_progress(now, actions)
+    def _pump(self, now: float, actions: list[ev.Action] | None = None) -> list[ev.Action]:
+        """One pass: the headroom, waiting extensions, admissions, progress. ``actions``: what
+        the caller decided before the pass (returned first). A pass cut short by an exception
+        (a refused policy answer) strands what it had decided (:attr:`_stranded`), and the
+        next pass returns it: every action a ledger change was made for reaches the shell."""
+        if actions is None:
+            actions = []
+        if self._stranded:
+            actions[:0], self._stranded = self._stranded, []
+        try:
+            self._refresh_headroom()
+            if self._waiting_ext:
+                self._serve_extensions(now, actions)
+            self._admit(now, actions)
+            if self._waiting_ext:
+                self._ensure_progress(now, actions)
+        except BaseException:
+            self._stranded = actions
+            raise
         return actions
+
+    def _notify(self, hook: str, request_id: str | None, *args: object) -> None:
+        """Tell the policy (``hook``: a notification, which decides nothing) what happened. One
+        that raises is counted and kept (:attr:`policy_faults`), not let out half-way through
+        the change it reports."""
+        try:
+            getattr(self.policy, hook)(*args)
+        except Exception as exc:
+            self.policy_faults += 1
+            about = "" if request_id is None else f" for {request_id!r}"
+            fault = PolicyViolation(self.policy.name, f"{hook}{about} raised {exc!r}")
+            fault.__cause__ = exc
+            self.policy_fault_log.append(fault)
 
     def _serve_extensions(self, now: float, actions: list[ev.Action]) -> None:
         by_class = self.class_order
@@ -916,7 +946,7 @@ class Scheduler:
         req.blocked_handled = False
         del self._waiting_ext[req.request_id]
         self._set_ask_at(req, ahead)
-        self.policy.on_granted(req)
+        self._notify("on_granted", req.request_id, req)
         req.stats.extensions += 1
         actions.append(ev.Extend(req.request_id, req.boundary, req.blocks))
 
@@ -1313,7 +1343,7 @@ class Scheduler:
         self._set_ask_at(req, ahead)
         # (last_token_at is kept across a checkpoint: the caller's gap from the token before it
         # to the first after the resume is a stall like any other)
-        self.policy.on_granted(req)
+        self._notify("on_granted", req.request_id, req)
         req.stats.admitted += 1
         req.stats.prefix_shared_blocks += req.shared_at_grant
         actions.append(ev.Admit(req.request_id, req.boundary, req.blocks, resume))
@@ -1404,6 +1434,7 @@ class Scheduler:
             rejections_by_reason=dict(self.rejections_by_reason),
             wait_in_time_share=self.forecast.in_time_share(),
             wait_forecast_samples=self.forecast.wait_outcome_samples,
+            policy_faults=self.policy_faults,
         )
 
     def queued(self) -> int:

@@ -166,6 +166,9 @@ class Snapshot:
     #: seen; 1.0 with none), and how many such outcomes it read
     wait_in_time_share: float = 1.0
     wait_forecast_samples: int = 0
+    #: the policy's notifications that raised (the core went on without them; the shell logs
+    #: each as ``policy_fault``)
+    policy_faults: int = 0
 
     # convenience accessors for the DESIGN §9 names
     @property

@@ -831,6 +831,9 @@ class BudgetStateMachine(RuleBasedStateMachine):
     def verify(self) -> None:
         """Check DESIGN §4 against the shadow model (see :mod:`kvbudget.testing.invariants`)."""
         s = self.sched
+        if s.policy_faults:
+            # the core went on without the notification; the policy under test is still wrong
+            raise s.policy_fault_log[0]
         snap = s.snapshot()
         shadows = self.shadows.values()
         inv.reserved_within_capacity(s, snap, shadows)  # 1
