@@ -107,6 +107,71 @@ async def test_a_notification_that_raises_is_logged_and_the_lease_goes_on() -> N
     assert budget.confirm_release("loud") and budget.snapshot().reserved_blocks == 0
 
 
+class _Flaky(BasePolicy):
+    """Grants the hard max; its headroom answer (asked at the start of every pass) raises
+    while ``boom`` is set."""
+
+    name = "flaky"
+    boom = False
+
+    def headroom_target(self) -> int:
+        if self.boom:
+            raise RuntimeError("headroom bug")
+        return 0
+
+
+async def test_a_policy_faulting_in_every_tick_does_not_stop_the_budget() -> None:
+    """The ticker used to let a refused (or raising) policy answer out of its pass, and the task
+    group then took the budget (and the server around it) down. Now the core keeps the fault and
+    goes on; the budget logs ``policy_fault`` at most once a second."""
+    policy = _Flaky()
+    budget = Budget(Capacity(8, 16), policy=policy, tick_interval=0.01)
+    got: list[str] = []
+
+    async def second() -> None:
+        async with budget.lease(spec(prompt=16, max_tokens=100), "b") as lease:
+            got.append(lease.request_id)
+            lease.charge(1)
+
+    with structlog.testing.capture_logs() as logs:
+        async with budget, anyio.create_task_group() as tg:
+            async with budget.lease(spec(prompt=16, max_tokens=100), "a") as a:
+                tg.start_soon(second)
+                await anyio.sleep(0.02)
+                assert budget.snapshot().queued == 1  # (a holds the whole cache)
+                policy.boom = True
+                await anyio.sleep(0.1)
+                assert budget.snapshot().policy_faults >= 3
+                policy.boom = False
+                a.charge(1)
+            assert budget.confirm_release("a")
+            with anyio.fail_after(2):
+                while not got:
+                    await anyio.sleep(0.01)
+            with anyio.fail_after(2):
+                while not budget.confirm_release("b"):
+                    await anyio.sleep(0.01)
+    faults = [e for e in logs if e["event"] == "policy_fault"]
+    assert len(faults) == 1 and faults[0]["detail"] == "raised RuntimeError('headroom bug')"
+    # (the first tick's two passes both faulted before it was logged)
+    assert faults[0]["new"] == faults[0]["faults"] >= 1 and budget.tick_failures == 0
+    assert got == ["b"] and budget.snapshot().reserved_blocks == 0
+
+
+async def test_a_confirmation_whose_pass_faults_still_returns_the_blocks() -> None:
+    """The engine's confirmation is not the policy's business: the blocks come back, the
+    confirmation says so (True), and the fault of the pass after it is kept, not raised into
+    the adapter's task (which would take the budget's task group down)."""
+    policy = _Flaky()
+    budget = Budget(Capacity(8, 16), policy=policy)
+    async with budget.lease(spec(prompt=16, max_tokens=100), "a") as lease:
+        lease.charge(1)
+    policy.boom = True
+    assert budget.confirm_release("a") is True
+    snap = budget.snapshot()
+    assert snap.reserved_blocks == 0 and snap.policy_faults == 1
+
+
 async def test_explicit_finish_and_exception_exit_cancels() -> None:
     budget = Budget(Capacity(100, 16))
     async with budget.lease(spec(), "a") as lease:

@@ -522,10 +522,10 @@ def test_a_notification_that_raises_is_counted_not_let_out_half_way() -> None:
     assert s.ledger.reserved == 0 and s.active == 0 and not s.live
 
 
-def test_a_pass_cut_short_strands_nothing() -> None:
-    """A pass that grew a grant and was then cut short by a policy that raised for the next
-    caller: the growth is in the ledger, so its Extend (and the Released before it) come out of
-    the next pass instead of being lost with the exception."""
+def test_the_pass_after_a_release_keeps_a_fault_and_returns_what_it_decided() -> None:
+    """An engine's confirmation is not the policy's business: the pass after the release grew
+    a grant and then met a policy that raised for the next caller. The release and the growth
+    stand and are returned; the fault is kept (before, the exception left with both)."""
     policy = FaultyHooks(allowance=3, step=4)
     s = Scheduler(Capacity(4, 4), policy=policy, config=SchedulerConfig(slack_tokens=0))
     s.arrive("a", spec(prompt=4), 0.0)
@@ -536,13 +536,49 @@ def test_a_pass_cut_short_strands_nothing() -> None:
     s.charge("b", 3, 0.1)
     s.finish("b", "stop", 0.2)
     policy.boom = True
-    with pytest.raises(RuntimeError, match="admit bug"):
-        s.confirm_release("b", 0.3)
-    assert s.requests["a"].boundary == 8  # (grown in the ledger: its blocks filled)
+    out = s.confirm_release("b", 0.3)
+    assert of(out, ev.Released, "b") and of(out, ev.Extend, "a")
+    assert s.requests["a"].boundary == 8  # (its blocks filled)
+    assert s.policy_faults == 1 and "admit bug" in s.policy_fault_log[0].detail
     policy.boom = False
-    out = s.tick(0.4)
-    assert of(out, ev.Released, "b") and of(out, ev.Extend, "a") and of(out, ev.Admit, "q")
-    assert s.tick(0.5) == []
+    assert of(s.tick(0.4), ev.Admit, "q")
+
+
+class GateFor(Fixed):
+    """Its admission gate says no to the ids in ``closed`` and raises for those in ``broken``."""
+
+    name = "gate-for"
+
+    def __init__(self) -> None:
+        super().__init__(allowance=3)
+        self.closed: set[str] = set()
+        self.broken: set[str] = set()
+
+    def admit(self, req: Request, blocks: int) -> bool:
+        if req.request_id in self.broken:
+            raise RuntimeError(f"admit bug for {req.request_id}")
+        return req.request_id not in self.closed
+
+
+def test_a_pass_cut_short_for_its_caller_strands_nothing() -> None:
+    """A caller's own pass (here its arrival) admitted a caller queued before it and then
+    raised on its own admission: the caller gets the error, and the first admission, made in
+    the ledger, comes out of the next pass instead of being lost with the exception."""
+    policy = GateFor()
+    s = Scheduler(Capacity(16, 4), policy=policy)
+    s.arrive("a", spec(prompt=1), 0.0)  # (live: the gate counts; an idle engine admits anyway)
+    policy.closed.add("q")
+    s.arrive("q", spec(prompt=1), 0.0)
+    assert s.requests["q"].state is State.QUEUED
+    policy.closed.clear()
+    policy.broken.add("z")
+    with pytest.raises(RuntimeError, match="admit bug for z"):
+        s.arrive("z", spec(prompt=1), 0.1)
+    assert s.requests["q"].state is State.ADMITTED  # (in the ledger, its Admit not yet out)
+    policy.broken.clear()
+    out = s.tick(0.2)
+    assert of(out, ev.Admit, "q") and of(out, ev.Admit, "z")
+    assert not of(s.tick(0.3), ev.Admit)
 
 
 # == behaviour ===================================================================================

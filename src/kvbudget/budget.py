@@ -596,6 +596,10 @@ class Budget:
         self._leases: dict[str, Lease] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._policy_faults_logged = 0
+        self._policy_fault_logged_at = -math.inf
+        #: ticks that raised (logged as ``tick_failed``, at most once a second)
+        self.tick_failures = 0
+        self._tick_failure_logged = -math.inf
         self._closed = False
         self._running = False
         self._jobs = 0
@@ -690,12 +694,23 @@ class Budget:
         )
 
     def _log_policy_faults(self) -> None:
-        """The policy's notifications that raised since the last report (the core went on)."""
+        """The policy faults the core went on after since the last report: the latest, with
+        how many (at most once a second: a policy broken for good faults on every tick)."""
         sched = self._sched
+        now = self._clock()
+        if now - self._policy_fault_logged_at < 1.0:
+            return  # (the ticker's next apply after that second reports them)
+        self._policy_fault_logged_at = now
         new = sched.policy_faults - self._policy_faults_logged
         self._policy_faults_logged = sched.policy_faults
-        for fault in list(sched.policy_fault_log)[-new:]:
-            log.error("policy_fault", policy=fault.policy, detail=fault.detail)
+        fault = sched.policy_fault_log[-1]
+        log.error(
+            "policy_fault",
+            policy=fault.policy,
+            detail=fault.detail,
+            faults=sched.policy_faults,
+            new=new,
+        )
 
     def _apply(self, actions: Iterable[ev.Action], arriving: Lease | None = None) -> None:
         """Carry out the core's actions: update the leases they name and wake their waiters."""
@@ -856,12 +871,21 @@ class Budget:
         while True:
             await anyio.sleep(self.tick_interval)
             now = self._clock()
-            self._apply(sched.tick(now))
-            engine = self.engine
-            if engine is not None and self._has_unconfirmed():
-                used = engine.kv_used_blocks()
-                if used is not None:
-                    self.reconcile(used)
+            try:
+                self._apply(sched.tick(now))
+                engine = self.engine
+                if engine is not None and self._has_unconfirmed():
+                    used = engine.kv_used_blocks()
+                    if used is not None:
+                        self.reconcile(used)
+            except Exception as exc:
+                # (the core keeps a policy's faults itself; this is anything else, an engine's
+                # KV usage read that raised, say: the ticker goes on, and says so at most once
+                # a second)
+                self.tick_failures += 1
+                if now - self._tick_failure_logged >= 1.0:
+                    self._tick_failure_logged = now
+                    log.error("tick_failed", failures=self.tick_failures, error=repr(exc))
 
     def _has_unconfirmed(self) -> bool:
         if not self._sched.releasing:

@@ -158,9 +158,20 @@ _EVENT_LIST: tuple[EventSpec, ...] = (
     EventSpec(
         "policy_fault",
         "error",
-        ("policy", "detail"),
-        "a policy notification (on_granted, on_leave, on_finished, on_step) raised; the budget "
-        "went on as if it had returned (counted in Snapshot.policy_faults)",
+        ("policy", "detail", "faults", "new"),
+        "a policy fault the budget went on after: a notification (on_granted, on_leave, "
+        "on_finished, on_step) that raised, or an answer refused (or a hook that raised) in "
+        "the pass after a stop, a release or a tick (counted in Snapshot.policy_faults); the "
+        "latest (detail) with how many (faults: all, new: since the last), at most once a second",
+        per_request=False,
+    ),
+    EventSpec(
+        "tick_failed",
+        "error",
+        ("failures", "error"),
+        "the budget's periodic tick raised (not a policy fault, which the core keeps itself: "
+        "an engine's KV usage read, say); the ticker went on; logged at most once a second "
+        "(failures: all so far)",
         per_request=False,
     ),
     EventSpec(
@@ -498,8 +509,7 @@ GAUGES: Final[Mapping[str, tuple[str, str]]] = {
     ),
     "policy_faults": (
         "policy_faults",
-        "Policy notifications that raised since start (the budget went on without them; each "
-        "is logged as policy_fault).",
+        "Policy faults the budget went on after, since start (each logged as policy_fault).",
     ),
 }
 

@@ -174,9 +174,10 @@ class Scheduler:
         #: (a policy's answer refused, or a policy that raised): the next pass returns them
         #: first, so the shell still carries them out (its tick, at the latest)
         self._stranded: list[ev.Action] = []
-        #: policy notifications (on_granted, on_leave, on_finished, on_step) that raised: the
-        #: core goes on as if they had returned (they decide nothing), counts them here and
-        #: keeps the last few (:attr:`policy_fault_log`) for the shell to report
+        #: policy faults the core went on after: notifications (on_granted, on_leave,
+        #: on_finished, on_step) that raised, which decide nothing, and answers refused (or
+        #: hooks that raised) in the pass after a change already made (:meth:`_pass_after`);
+        #: the last few are kept (:attr:`policy_fault_log`) for the shell to report
         self.policy_faults = 0
         self.policy_fault_log: deque[PolicyViolation] = deque(maxlen=16)
         self.now = 0.0
@@ -515,7 +516,7 @@ class Scheduler:
                 req.key, req.allowance, req.generated, req.cls.initial_quantile
             )
         self._notify("on_finished", req.request_id, req, req.generated)
-        return self._pump(now)
+        return self._pass_after(now)
 
     def cancel(self, request_id: str, now: float) -> list[ev.Action]:
         """The caller went away.
@@ -529,7 +530,7 @@ class Scheduler:
             lifecycle.transition(req, Trigger.CANCEL)
             lifecycle.settle(req, Outcome.CANCELLED)  # (a checkpoint's tokens are wasted)
             self._forget(req)
-            return self._pump(now)
+            return self._pass_after(now)
         if req.state is State.RELEASING:
             lifecycle.transition(req, Trigger.CANCEL)  # late news of the same stop
             return []
@@ -541,7 +542,7 @@ class Scheduler:
         actions: list[ev.Action] = []
         if was_live:
             actions.append(ev.Abort(request_id, "cancelled"))
-        return self._pump(now, actions)
+        return self._pass_after(now, actions)
 
     def fail(self, request_id: str, detail: str, now: float) -> list[ev.Action]:
         """The engine failed the request. Blocks stay charged until it confirms."""
@@ -552,12 +553,12 @@ class Scheduler:
             lifecycle.transition(req, Trigger.FAIL)
             lifecycle.settle(req, Outcome.FAILED)  # (a checkpoint's tokens are lost)
             self._forget(req)
-            return self._pump(now)
+            return self._pass_after(now)
         if req.state is State.RELEASING:
             lifecycle.transition(req, Trigger.FAIL)  # late news of the same stop
             return []
         self._stop(req, Trigger.FAIL, now, Outcome.FAILED)
-        return self._pump(now)
+        return self._pass_after(now)
 
     def _stop(
         self, req: Request, trigger: Trigger, now: float, outcome: Outcome | None = None
@@ -662,7 +663,7 @@ class Scheduler:
             outcome = lifecycle.count_release(req)
             actions.append(ev.Released(req.request_id, freed, outcome))
             self._forget(req)
-        return self._pump(now, actions)
+        return self._pass_after(now, actions)
 
     def _victim_back(self, rid: str) -> None:
         """``rid``'s blocks are back (or it stopped for good): once all of its pause round's are,
@@ -746,7 +747,7 @@ class Scheduler:
         if self.front and self.queues.count() and not self.preempting:
             # a queued head's bound runs down with time alone: the admission pass decides at
             # its last responsible moment, not only at the next release
-            self._pump(now, actions)
+            self._pass_after(now, actions)
         timeout = self.config.confirm_timeout_s
         for req in list(self._stopping.values()):
             if (
@@ -757,7 +758,7 @@ class Scheduler:
             ):
                 req.unconfirmed = True
                 req.stats.unconfirmed += 1
-        return self._pump(now, actions)
+        return self._pass_after(now, actions)
 
     def reconcile(self, engine_used_blocks: int, now: float) -> list[ev.Action]:
         """Compare the engine's KV usage with the ledger; free unconfirmed stops it no longer holds.
@@ -859,18 +860,34 @@ class Scheduler:
             raise
         return actions
 
+    def _pass_after(self, now: float, actions: list[ev.Action] | None = None) -> list[ev.Action]:
+        """The pass after a change already made (a stop, a release, time passing). A policy
+        answer refused there, or a policy that raised, is not the caller's error: its change
+        stands (an engine's confirmation, a caller gone). It is kept as a fault
+        (:attr:`policy_faults`), and what the pass had decided is returned."""
+        try:
+            return self._pump(now, actions)
+        except Exception as exc:
+            self._fault(exc if isinstance(exc, PolicyViolation) else None, f"raised {exc!r}", exc)
+            done, self._stranded = self._stranded, []
+            return done
+
     def _notify(self, hook: str, request_id: str | None, *args: object) -> None:
         """Tell the policy (``hook``: a notification, which decides nothing) what happened. One
-        that raises is counted and kept (:attr:`policy_faults`), not let out half-way through
+        that raises is kept as a fault (:attr:`policy_faults`), not let out half-way through
         the change it reports."""
         try:
             getattr(self.policy, hook)(*args)
         except Exception as exc:
-            self.policy_faults += 1
             about = "" if request_id is None else f" for {request_id!r}"
-            fault = PolicyViolation(self.policy.name, f"{hook}{about} raised {exc!r}")
-            fault.__cause__ = exc
-            self.policy_fault_log.append(fault)
+            self._fault(None, f"{hook}{about} raised {exc!r}", exc)
+
+    def _fault(self, fault: PolicyViolation | None, detail: str, cause: Exception) -> None:
+        if fault is None:
+            fault = PolicyViolation(self.policy.name, detail)
+            fault.__cause__ = cause
+        self.policy_faults += 1
+        self.policy_fault_log.append(fault)
 
     def _serve_extensions(self, now: float, actions: list[ev.Action]) -> None:
         by_class = self.class_order
