@@ -8,9 +8,10 @@ import attrs
 import pytest
 
 from kvbudget.core.lengths import LengthModel
+from kvbudget.core.lifecycle import Request
 from kvbudget.core.model import Capacity
-from kvbudget.core.policy import POLICY_NAMES
-from kvbudget.errors import InvalidInput
+from kvbudget.core.policy import POLICY_NAMES, CalibratedPolicy
+from kvbudget.errors import InvalidInput, SimulationError
 from kvbudget.sim.driver import run_policies, simulate
 from kvbudget.sim.engine import DEFAULT_CAPACITY_BLOCKS, EngineModel
 from kvbudget.sim.report import JSON_POLICY_KEYS, PolicyResult
@@ -52,6 +53,23 @@ def test_engine_defaults_follow_the_cited_setting() -> None:
         EngineModel(abort_latency_s=-1.0)
     with pytest.raises(InvalidInput):
         EngineModel(max_batch=0)
+
+
+class _FinishFaults(CalibratedPolicy):
+    """Raises when told a request finished: a notification the core goes on after."""
+
+    name = "finish-faults"
+
+    def on_finished(self, req: Request, length: int) -> None:
+        raise ValueError("on_finished bug")
+
+
+def test_a_run_whose_policy_faulted_is_an_error_not_a_result() -> None:
+    """The core goes on after a policy's notification raises (a server must); a comparison
+    of policies must not report figures from such a run."""
+    reqs, sc = _requests(n=30)
+    with pytest.raises(SimulationError, match="on_finished bug"):
+        simulate(reqs, sc, SMALL_ENGINE, _FinishFaults())
 
 
 def test_deterministic_per_seed() -> None:

@@ -985,6 +985,12 @@ class _Sim:
         series: list[tuple[float, float, float]],
         wall: float,
     ) -> PolicyResult:
+        if self.sched.policy_faults:
+            # (the core went on after them, a server would too; a comparison must not)
+            fault = self.sched.policy_fault_log[0]
+            raise SimulationError(
+                f"the policy faulted {self.sched.policy_faults} time(s), first: {fault}"
+            ) from fault
         counts = dict.fromkeys(_ENDS, 0)
         good_i = good_b = 0
         ttfts: list[float] = []
