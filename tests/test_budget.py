@@ -95,6 +95,30 @@ async def test_a_refused_policy_answer_at_arrival_leaves_no_request_behind() -> 
     assert budget.confirm_release("good") and budget.snapshot().reserved_blocks == 0
 
 
+class _AdmitBug(BasePolicy):
+    name = "admit-bug"
+
+    def admit(self, req: Request, blocks: int) -> bool:
+        if req.request_id == "bug":
+            raise LookupError("admit bug")
+        return True
+
+
+async def test_a_decision_hook_that_raises_reaches_the_caller_typed_and_leaves_nothing() -> None:
+    """Before, the LookupError itself reached ``lease``'s caller, which an application
+    catching kvbudget's errors did not expect."""
+    budget = Budget(Capacity(100, 16), policy=_AdmitBug())
+    async with budget.lease(spec(), "first") as lease:  # (live: the gate is asked for "bug")
+        with pytest.raises(PolicyViolation, match="admit raised LookupError") as err:
+            async with budget.lease(spec(), "bug"):
+                pass
+        assert isinstance(err.value.__cause__, LookupError)
+        lease.charge(2)
+    assert "bug" not in budget.scheduler.requests
+    assert budget.confirm_release("first") and budget.snapshot().reserved_blocks == 0
+    assert budget.pending_leases == 0 and budget.snapshot().queued == 0
+
+
 async def test_a_notification_that_raises_is_logged_and_the_lease_goes_on() -> None:
     budget = Budget(Capacity(100, 16), policy=_OddFor())
     with structlog.testing.capture_logs() as logs:
@@ -152,7 +176,7 @@ async def test_a_policy_faulting_in_every_tick_does_not_stop_the_budget() -> Non
                 while not budget.confirm_release("b"):
                     await anyio.sleep(0.01)
     faults = [e for e in logs if e["event"] == "policy_fault"]
-    assert len(faults) == 1 and faults[0]["detail"] == "raised RuntimeError('headroom bug')"
+    assert len(faults) == 1 and faults[0]["detail"] == "headroom_target raised RuntimeError('headroom bug')"
     # (the first tick's two passes both faulted before it was logged)
     assert faults[0]["new"] == faults[0]["faults"] >= 1 and budget.tick_failures == 0
     assert got == ["b"] and budget.snapshot().reserved_blocks == 0

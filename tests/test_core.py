@@ -572,13 +572,77 @@ def test_a_pass_cut_short_for_its_caller_strands_nothing() -> None:
     assert s.requests["q"].state is State.QUEUED
     policy.closed.clear()
     policy.broken.add("z")
-    with pytest.raises(RuntimeError, match="admit bug for z"):
+    with pytest.raises(PolicyViolation, match="admit raised RuntimeError") as err:
         s.arrive("z", spec(prompt=1), 0.1)
+    assert isinstance(err.value.__cause__, RuntimeError)
     assert s.requests["q"].state is State.ADMITTED  # (in the ledger, its Admit not yet out)
     policy.broken.clear()
     out = s.tick(0.2)
     assert of(out, ev.Admit, "q") and of(out, ev.Admit, "z")
     assert not of(s.tick(0.3), ev.Admit)
+
+
+class RaisesIn(Fixed):
+    """Raises (a plain bug, not a kvbudget error) from the decision hook named ``hook``."""
+
+    name = "raises-in"
+
+    def __init__(self, hook: str) -> None:
+        super().__init__(allowance=3, step=4)
+        self.hook = hook
+
+    def _maybe(self, hook: str) -> None:
+        if hook == self.hook:
+            raise ZeroDivisionError(f"{hook} bug")
+
+    def initial_allowance(self, req: Request) -> int:
+        self._maybe("initial_allowance")
+        return super().initial_allowance(req)
+
+    def admit(self, req: Request, blocks: int) -> bool:
+        self._maybe("admit")
+        return True
+
+    def lookahead_tokens(self, req: Request) -> int:
+        self._maybe("lookahead_tokens")
+        return 0
+
+    def extension_tokens(self, req: Request) -> int | None:
+        self._maybe("extension_tokens")
+        return super().extension_tokens(req)
+
+    def on_blocked(self, req: Request) -> Blocked:
+        self._maybe("on_blocked")
+        return super().on_blocked(req)
+
+
+@pytest.mark.parametrize(
+    "hook", ["initial_allowance", "admit", "lookahead_tokens", "extension_tokens", "on_blocked"]
+)
+def test_a_decision_hook_that_raises_reaches_its_caller_as_a_policy_violation(hook: str) -> None:
+    """A decision hook that raises in a caller's own pass (an arrival, a boundary) used to reach
+    that caller as whatever it raised (here a ZeroDivisionError): now a PolicyViolation naming
+    the hook, the bug as its cause, and the ledger as it was."""
+    at_boundary = hook in ("extension_tokens", "on_blocked")
+    policy = RaisesIn(hook="-")
+    # (at a boundary: a full cache, so that "a" cannot grow; at an arrival: room for "b")
+    s = Scheduler(Capacity(2 if at_boundary else 4, 4), policy=policy)
+    s.arrive("a", spec(prompt=4), 0.0)  # (1 block of prompt, 1 for its 3-token allowance)
+    s.charge("a", 1, 0.05)
+    if at_boundary:
+        assert of(to_boundary(s, "a", 0.1), ev.Deny, "a")
+    policy.hook = hook
+    with pytest.raises(PolicyViolation) as err:
+        if at_boundary:
+            s.boundary_reached("a", 0.2)
+        else:
+            s.arrive("b", spec(prompt=4), 0.2)
+    assert err.value.policy == "raises-in"
+    assert err.value.detail == f"{hook} raised ZeroDivisionError('{hook} bug')"
+    assert isinstance(err.value.__cause__, ZeroDivisionError)
+    assert s.policy_faults == 0  # (the caller was told: nothing kept)
+    s.check_invariants()
+    assert s.ledger.reserved == 2 and s.requests["a"].blocks == 2
 
 
 # == behaviour ===================================================================================

@@ -120,7 +120,8 @@ class GrantExceeded(KvBudgetError):
 
 
 class PolicyViolation(KvBudgetError):
-    """A policy returned a decision that would break an invariant; the core refused it."""
+    """A policy returned a decision that would break an invariant, or one of its decision hooks
+    raised (the exception is the ``__cause__``); the core refused it before it took effect."""
 
     def __init__(self, policy: str, detail: str) -> None:
         self.policy = policy

@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import ParamSpec, TypeVar
 
 from kvbudget.core import events as ev
 from kvbudget.core import lifecycle
@@ -73,11 +74,14 @@ from kvbudget.errors import (
     GrantExceeded,
     HardLimitExceeded,
     InvalidInput,
+    KvBudgetError,
     PolicyViolation,
     UnknownRequest,
 )
 from kvbudget.validate import check_float, check_int, whole
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 _NOTHING: tuple[ev.Action, ...] = ()
 _LIVE = LIVE_STATES
 # module-level aliases: enum attribute look-ups are slow on the per-token path
@@ -266,7 +270,9 @@ class Scheduler:
         self.forecast.note_arrival(req, now)
         if grant > self.ledger.room():
             return [self._reject_new(req, self.config.max_retry_after_s, "too-large")]
-        refusal = self._arrival_refusal(req) if self._arrival_refusal is not None else None
+        refusal = (
+            self._ask(self._arrival_refusal, req) if self._arrival_refusal is not None else None
+        )
         if refusal is not None:
             if not isinstance(refusal, str) or not refusal:
                 raise PolicyViolation(self.policy.name, f"arrival refusal {refusal!r}: a reason")
@@ -311,7 +317,7 @@ class Scheduler:
         if not req.spec.resumable:
             # a request the engine cannot resume exactly is never paused: its whole hard max
             return req.remaining
-        answer = self.policy.initial_allowance(req)
+        answer = self._ask(self.policy.initial_allowance, req)
         allowance = whole(answer)
         if allowance is None or allowance < 1 or allowance > req.remaining:
             raise PolicyViolation(
@@ -830,8 +836,8 @@ class Scheduler:
         none (an interactive stream admitted later extends into what is free, or preempts the
         preemptible work that took it), so work of other classes may grow to the whole cache
         rather than end short of one that holds it."""
-        target = self.policy.headroom_target()
-        protected = self.policy.protected_blocks() if self.protected_live else 0
+        target = self._ask(self.policy.headroom_target)
+        protected = self._ask(self.policy.protected_blocks) if self.protected_live else 0
         blocks, kept = whole(target), whole(protected)
         if blocks is not None and kept is not None:
             target = min(blocks, self.capacity.blocks)
@@ -871,6 +877,19 @@ class Scheduler:
             self._fault(exc if isinstance(exc, PolicyViolation) else None, f"raised {exc!r}", exc)
             done, self._stranded = self._stranded, []
             return done
+
+    def _ask(self, decide: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        """A decision of the policy's (``decide``, one of its hooks). One that raises is a
+        refused answer (:class:`PolicyViolation`, the exception as its cause) wherever it is
+        asked: typed for the caller whose pass asked it, kept as a fault in a pass after a
+        change already made (:meth:`_pass_after`). kvbudget's own errors pass as raised."""
+        try:
+            return decide(*args, **kwargs)
+        except KvBudgetError:
+            raise
+        except Exception as exc:
+            name = getattr(decide, "__name__", repr(decide))
+            raise PolicyViolation(self.policy.name, f"{name} raised {exc!r}") from exc
 
     def _notify(self, hook: str, request_id: str | None, *args: object) -> None:
         """Tell the policy (``hook``: a notification, which decides nothing) what happened. One
@@ -916,12 +935,12 @@ class Scheduler:
         preemption decided then has returned its blocks by the time the boundary comes, so
         ``req`` is never paused."""
         ahead = getattr(self.policy, "acts_ahead", None)
-        return ahead is not None and req.boundary < req.hard_max and bool(ahead(req))
+        return ahead is not None and req.boundary < req.hard_max and bool(self._ask(ahead, req))
 
     def _extension_answer(self, req: Request) -> int | None:
         """The policy's extension for ``req`` (``Policy.extension_tokens``), checked: None (no
         extension now) or a whole number >= 1."""
-        answer = self.policy.extension_tokens(req)
+        answer = self._ask(self.policy.extension_tokens, req)
         if answer is None:
             return None
         tokens = whole(answer)
@@ -969,7 +988,7 @@ class Scheduler:
 
     def _lookahead(self, req: Request) -> int:
         """The policy's lookahead for ``req``'s next grant (``Policy.lookahead_tokens``)."""
-        answer = self.policy.lookahead_tokens(req)
+        answer = self._ask(self.policy.lookahead_tokens, req)
         ahead = whole(answer)
         if ahead is None or ahead < 0:
             raise PolicyViolation(
@@ -1015,7 +1034,7 @@ class Scheduler:
         return victims
 
     def _handle_blocked(self, req: Request, now: float, actions: list[ev.Action]) -> None:
-        decision = self.policy.on_blocked(req)
+        decision = self._ask(self.policy.on_blocked, req)
         req.stats.extensions_denied += 1
         if decision is Blocked.WAIT:
             return
@@ -1041,7 +1060,7 @@ class Scheduler:
             candidates = [
                 r for r in self.live.values() if r.generated < r.hard_max and r.spec.resumable
             ]
-            chosen = self.policy.choose_victims(req, need, candidates)
+            chosen = self._ask(self.policy.choose_victims, req, need, candidates)
             for victim in self._checked_victims(chosen, candidates, "boundary"):
                 self._preempt(victim, now, actions, reason=f"for:{req.request_id}")
                 if victim is req:
@@ -1168,7 +1187,7 @@ class Scheduler:
                 1, req.prompt + req.generated + allowance, self.ledger.prefill_tokens(req)
             )
         )
-        policy_admits = self.policy.admit(req, blocks) or idle
+        policy_admits = self._ask(self.policy.admit, req, blocks) or idle
         gates = policy_admits and within_floor
         if fits and gates:
             return True
@@ -1229,7 +1248,7 @@ class Scheduler:
                     and self.queues.by_class[r.cls.name].want_blocks <= self.capacity.blocks
                 )
                 # (paused for a first token only once it has had its own)
-                or (gives_way is not None and r.generated >= 1 and gives_way(r, req))
+                or (gives_way is not None and r.generated >= 1 and self._ask(gives_way, r, req))
             )
         ]
         if not candidates:
@@ -1253,7 +1272,7 @@ class Scheduler:
                     )
                     served.append(other)
         victims = self._checked_victims(
-            self.policy.choose_victims(req, need, candidates), candidates, "admission"
+            self._ask(self.policy.choose_victims, req, need, candidates), candidates, "admission"
         )
         if due and victims:
             # the callers this round pauses streams for are never turned away as late, nor at
@@ -1273,7 +1292,7 @@ class Scheduler:
 
     def _first_token_pause_at(self, req: Request) -> float | None:
         at = getattr(self.policy, "first_token_pause_at", None)
-        return None if at is None else at(req)
+        return None if at is None else self._ask(at, req)
 
     def _first_token_due(self, req: Request) -> bool:
         """Does the policy pause running streams for ``req``'s first token now
@@ -1336,7 +1355,7 @@ class Scheduler:
         for r in self.live.values():
             if want <= 0:
                 break
-            if r.spec.resumable and r.generated < r.hard_max and gives_way(r, req):
+            if r.spec.resumable and r.generated < r.hard_max and self._ask(gives_way, r, req):
                 want -= self.ledger.footprint(r)
         return want <= 0
 
