@@ -176,7 +176,8 @@ async def test_a_policy_faulting_in_every_tick_does_not_stop_the_budget() -> Non
                 while not budget.confirm_release("b"):
                     await anyio.sleep(0.01)
     faults = [e for e in logs if e["event"] == "policy_fault"]
-    assert len(faults) == 1 and faults[0]["detail"] == "headroom_target raised RuntimeError('headroom bug')"
+    assert len(faults) == 1
+    assert faults[0]["detail"] == "headroom_target raised RuntimeError('headroom bug')"
     # (the first tick's two passes both faulted before it was logged)
     assert faults[0]["new"] == faults[0]["faults"] >= 1 and budget.tick_failures == 0
     assert got == ["b"] and budget.snapshot().reserved_blocks == 0

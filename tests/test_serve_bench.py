@@ -115,10 +115,17 @@ def test_cross_check_matches_by_prompt_and_fails_mismatches() -> None:
         _rec(prompt="c", text="z", outcome="good"),  # not in the reference
         _rec(prompt="a", text="q", token_ids=None, outcome="good"),  # text differs, no ids
         _rec(prompt="a", outcome="rejected"),  # not compared
+        # the same ids, the text without vLLM's echo of the prompt's unfinished tail: its own
+        # tokens' text but for U+FFFD, or exactly, is right; any other text is not
+        _rec(prompt="a", text="\ufffdx", token_ids=[1], text_check="fffd", outcome="good"),
+        _rec(prompt="a", text="w", token_ids=[1], text_check="exact", outcome="good"),
+        _rec(prompt="a", text="w", token_ids=[1], text_check="mismatch", outcome="good"),
     ]
     counts = sb.cross_check(ref, other)
-    assert counts == {"compared": 3, "mismatches": 2, "unmatched": 1}
-    assert [r.outcome for r in other] == ["good", "failed", "good", "failed", "rejected"]
+    assert counts == {"compared": 6, "mismatches": 3, "unmatched": 1}
+    assert [r.outcome for r in other] == [
+        "good", "failed", "good", "failed", "rejected", "good", "good", "failed"
+    ]
 
 
 def test_parse_servers() -> None:
