@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvbudget.core.ledger import TRANSITIONS, Ledger, Request, State, Trigger
 from kvbudget.core.model import BATCH, Capacity, RequestSpec, blocks_for
-from kvbudget.core.policy import POLICY_NAMES
+from kvbudget.core.policy import POLICY_NAMES, CalibratedPolicy
 from kvbudget.core.queue import ClassQueue as _ClassQueue
 from kvbudget.core.stats import Counters
 from kvbudget.errors import AlreadyReleased, InvalidInput, InvalidTransition
@@ -44,6 +44,26 @@ for _name in POLICY_NAMES:
     _case.settings = PROFILE
     globals()[f"TestPolicy_{_name.replace('-', '_')}"] = _case
 del _name, _case
+
+
+
+class _TakingTurns(CalibratedPolicy):
+    """Calibrated with every resumable request cheap to pause (its pauses for first tokens and
+    its boundary pauses then engage from the first step) and a pause limit of 0 s: a stream
+    paused after its first token is overdue at once, so streams take turns whenever one
+    waits."""
+
+    def __init__(self) -> None:
+        super().__init__(first_token_pause_limit_s=0.0)
+
+    def cheap_to_pause(self, req: Request) -> bool:
+        return req.spec.resumable
+
+
+TestVariant_calibrated_pause_limit = BudgetStateMachine.for_policy(
+    lambda _truth: _TakingTurns(), name="calibrated-pause-limit"
+).TestCase
+TestVariant_calibrated_pause_limit.settings = PROFILE
 
 
 def test_every_shipped_policy_has_a_state_machine_test() -> None:
