@@ -67,8 +67,8 @@ Outcome of a request (SLO: TTFT <= 2 s and mean TPOT = (latency - TTFT) / (token
 * ``late``: the same but over either SLO;
   The mean TPOT forgives a long freeze inside a long answer, so each run also reports
   ``frozen_streams`` (complete streams with a gap over ``FREEZE_GAP_S`` = 1 s between two
-  chunks) and the p50 and max of each complete stream's longest gap (table: ``frozen``,
-  ``gap_max``);
+  chunks), the p50 and max of each complete stream's longest gap (table: ``frozen``,
+  ``gap_max``) and ``good_unfrozen``: the good requests that never froze;
 * ``rejected``: HTTP 429 (kvbudget's overload answer); ``rejected_503``: HTTP 503 (vLLM's own
   queue cap answers 503). Measured here, vLLM's cap sometimes answers HTTP 200 and then a
   stream whose only message is an error event with code 503; an error event with code 503 / 429
@@ -1240,6 +1240,10 @@ def summarize(records: Sequence[Record], duration: float) -> dict[str, Any]:
     out["tpot_p50_ms"] = None if not tpots else round(1000 * (_pct(tpots, 50) or 0.0), 1)
     out["tpot_p99_ms"] = None if not tpots else round(1000 * (_pct(tpots, 99) or 0.0), 1)
     out.update(freeze_figures([max(r.itl) for r in done if r.itl]))
+    # good by the objective and never frozen: what the mean TPOT alone does not tell
+    out["good_unfrozen"] = sum(
+        1 for r in records if r.outcome == "good" and max(r.itl, default=0.0) <= FREEZE_GAP_S
+    )
     out["rejected_in_stream"] = sum(1 for r in records if r.reason.startswith("in-stream"))
     out["text_checked"] = sum(1 for r in records if r.text_ok is not None)
     out["text_fffd_only"] = sum(1 for r in records if r.text_check == "fffd")
@@ -1585,7 +1589,7 @@ def _int(value: float | None) -> int | None:
 _COLUMNS = (
     ("workload", 13), ("server", 12), ("run", 3), ("sent", 5), ("good", 5), ("late", 5),
     ("rej", 5), ("rej503", 6), ("failed", 6), ("goodput", 8), ("dur_s", 7), ("preempt", 7),
-    ("frozen", 6), ("gap_max", 7),
+    ("frozen", 6), ("gap_max", 7), ("good_unfrozen", 13),
 )
 
 
@@ -1602,6 +1606,7 @@ def table_line(run: Run) -> str:
         "-" if s["engine_preemptions"] is None else s["engine_preemptions"],
         s.get("frozen_streams", "-"),
         "-" if s.get("longest_gap_max_s") is None else f"{s['longest_gap_max_s']:.1f}",
+        s.get("good_unfrozen", "-"),
     )
     line = " ".join(f"{c!s:<{w}}" for c, (_, w) in zip(cells, _COLUMNS, strict=True))
     notes = []
@@ -1640,7 +1645,7 @@ def table_line(run: Run) -> str:
 
 _SPREAD = (
     "good", "goodput", "failed", "late", "engine_preemptions", "duration_s", "frozen_streams",
-    "longest_gap_max_s",
+    "longest_gap_max_s", "good_unfrozen",
 )
 
 

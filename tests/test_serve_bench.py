@@ -166,6 +166,11 @@ def test_summarize_and_abandon_figures() -> None:
     frozen = sb.summarize([*recs, _rec(outcome="late", itl=[0.01, 12.5, 0.01])], 2.0)
     assert (frozen["frozen_streams"], frozen["longest_gap_max_s"]) == (1, 12.5)
     assert "frozen" in sb.table_header()
+    # good by the objective, and good without a freeze: a long answer's mean TPOT forgives one
+    assert s["good_unfrozen"] == 2
+    good_frozen = _rec(outcome="good", itl=[0.01, 1.5, 0.01], token_chunks=4)
+    assert sb.summarize([*recs, good_frozen], 2.0)["good_unfrozen"] == 2
+    assert "good_unfrozen" in sb.table_header()
     a = sb.abandon_figures(recs, {"generation_tokens": 20.0, "budget_tokens": 99.0})
     assert (a["stayed"], a["left"], a["useful"], a["stalls"], a["stalled_requests"]) == (
         4, 1, 2, 1, 1

@@ -1163,15 +1163,16 @@ class Scheduler:
         resume and a fresh caller behind it has its first token due
         (``Policy.first_token_pause_at``): the checkpoint has had its first token and paces
         itself; the caller's first token is the most urgent thing in the queue. A stream
-        paused for first tokens longer than the policy allows (:meth:`_overdue_pause`) goes
-        before both."""
+        paused after its first token for longer than the policy allows
+        (:meth:`_overdue_pause`) goes before both, wherever it is queued."""
         head = queue.head()
         assert head is not None
+        if self._pause_limited:
+            overdue = self._overdue_pause()
+            if overdue is not None and overdue.cls is head.cls:
+                return overdue
         if head.resume is None or getattr(self.policy, "first_token_pause_at", None) is None:
             return head
-        overdue = self._overdue_pause()
-        if overdue is not None and overdue.cls is head.cls:
-            return overdue
         for req in queue:
             if req.resume is None and self._first_token_due(req):
                 return req
@@ -1316,7 +1317,7 @@ class Scheduler:
     def _take_turn(
         self, req: Request, blocks: int, now: float, actions: list[ev.Action]
     ) -> bool:
-        """The stream ``req``, paused for first tokens past the policy's limit
+        """The stream ``req``, paused after its first token for longer than the policy's limit
         (:meth:`_overdue_pause`), does not fit: the streams the policy lets give it their turn
         (``Policy.gives_way(victim, req)``: one that has run that long since it was admitted)
         are paused for it and queue behind it, so that streams take turns rather than one
@@ -1353,8 +1354,9 @@ class Scheduler:
         return share
 
     def _overdue_pause(self) -> Request | None:
-        """The stream paused for first tokens longest ago, if it has waited to resume longer
-        than the policy allows (``Policy.pause_limit_s``, optional; None: no limit). While it
+        """The stream paused after its first token longest ago (for a caller's first token, at
+        its boundary, or for another's turn), if it has waited to resume longer than the policy
+        allows (``Policy.pause_limit_s``, optional; None: no limit). While it
         waits, no stream is paused for a first token and it resumes before any fresh caller:
         a freeze is bounded by that limit plus the time a release takes, and the callers the
         engine cannot also serve meet the front's "overloaded" rather than more pauses."""
