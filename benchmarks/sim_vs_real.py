@@ -166,7 +166,7 @@ from kvbudget.core.lengths import LengthModel  # noqa: E402
 from kvbudget.core.policy import Policy  # noqa: E402
 from kvbudget.policy_options import (  # noqa: E402
     POLICY_DEFAULT,
-    add_policy_options,
+    add_first_token_pause_option,
     server_policy,
 )
 from kvbudget.sim.driver import simulate  # noqa: E402
@@ -539,16 +539,15 @@ ExamplePolicy = str | Callable[[], "Policy | str"]
 def example_policy(name: str, example_args: Sequence[str]) -> ExamplePolicy:
     """The policy the kvbudget example ran with ``--policy name`` and serve_bench's
     ``--example-arg``s: the name, with the policy settings among those arguments
-    (``--first-token-pause-share``, ``--first-token-pause-limit``) applied as the example applies
-    them. The example's other arguments (its queue bound, tenants, limits) are not its policy
-    and are not simulated."""
+    (``--first-token-pause-share``) applied as the example applies them. The example's other
+    arguments (its queue bound, tenants, limits) are not its policy and are not simulated."""
     parser = argparse.ArgumentParser(add_help=False)
-    add_policy_options(parser)
+    add_first_token_pause_option(parser)
     known, _ = parser.parse_known_args(list(example_args))
-    share, limit = known.first_token_pause_share, known.first_token_pause_limit
-    if share == POLICY_DEFAULT and limit == POLICY_DEFAULT:
+    if known.first_token_pause_share == POLICY_DEFAULT:
         return name
-    return lambda: server_policy(name, share, limit)
+    share = known.first_token_pause_share
+    return lambda: server_policy(name, share)
 
 
 def simulate_workloads(

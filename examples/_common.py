@@ -35,7 +35,7 @@ from kvbudget.engines.tiny_model import configure_cpu_vllm_env, tiny_engine_args
 from kvbudget.errors import InvalidInput
 from kvbudget.guard import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES
 from kvbudget.names import DEFAULT_MAX_TASKS, DEFAULT_MAX_TENANTS, NameLimits
-from kvbudget.policy_options import add_policy_options, server_policy
+from kvbudget.policy_options import add_first_token_pause_option, server_policy
 
 # Request headers (HTTP) / metadata keys (gRPC, lower case) understood by the examples.
 HEADER_CLASS = "X-KVBudget-Class"
@@ -95,7 +95,7 @@ def make_parser(description: str, default_port: int) -> argparse.ArgumentParser:
              "bound) were admitted in time; off: when the raw estimate passes its bound "
              "(SchedulerConfig.turn_away_wait_quantile; default %(default)s)",
     )
-    add_policy_options(p)
+    add_first_token_pause_option(p)
     p.add_argument(
         "--build-tiny-model", action="store_true",
         help="build the tiny random test Llama into --model first (seconds; skipped if there)",
@@ -184,9 +184,7 @@ async def running_engine(args: argparse.Namespace) -> AsyncIterator[Any]:
         config = attrs.evolve(config, tenant_weights=keys.tenant_weights())
         known = keys.tenants
     try:
-        policy = server_policy(
-            args.policy, args.first_token_pause_share, args.first_token_pause_limit
-        )
+        policy = server_policy(args.policy, args.first_token_pause_share)
     except InvalidInput as exc:
         raise SystemExit(f"cannot start: {exc}") from None
     engine = BudgetedEngine.from_engine_args(

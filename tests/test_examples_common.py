@@ -128,24 +128,3 @@ def test_the_first_token_pause_share_option_reaches_the_calibrated_policy() -> N
         server_policy("reserve-max", None)
     assert server_policy("reserve-max", POLICY_DEFAULT) == "reserve-max"
 
-
-def test_the_first_token_pause_limit_option_reaches_the_calibrated_policy() -> None:
-    from kvbudget.core.policy.calibrated import CalibratedPolicy
-    from kvbudget.errors import InvalidInput
-    from kvbudget.policy_options import POLICY_DEFAULT, server_policy
-
-    parser = _common.make_parser("test", 8000)
-    base = ["--model", "/m"]
-    assert parser.parse_args(base).first_token_pause_limit == POLICY_DEFAULT
-    args = parser.parse_args([*base, "--first-token-pause-limit", "0.5"])
-    limited = server_policy(args.policy, args.first_token_pause_share, args.first_token_pause_limit)
-    assert isinstance(limited, CalibratedPolicy) and limited.first_token_pause_limit_s == 0.5
-    assert limited.first_token_pause_share == 0.75
-    off = server_policy("calibrated", POLICY_DEFAULT, None)
-    assert isinstance(off, CalibratedPolicy) and off.first_token_pause_limit_s is None
-    for bad in ("-1", "nan", "inf", "x", "4000"):
-        with pytest.raises(SystemExit):
-            parser.parse_args([*base, "--first-token-pause-limit", bad])
-    with pytest.raises(InvalidInput, match="first_token_pause_limit_s"):
-        server_policy("reserve-max", POLICY_DEFAULT, 1.0)
-

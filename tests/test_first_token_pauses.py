@@ -6,19 +6,16 @@ arrival turn-away spared where pauses could serve the caller)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import pytest
 
 from kvbudget.core import events as ev
 from kvbudget.core.forecast import Forecast
 from kvbudget.core.ledger import State
-from kvbudget.core.lifecycle import Request
 from kvbudget.core.model import Capacity, RequestSpec
 from kvbudget.core.policy import CalibratedPolicy
 from kvbudget.core.scheduler import Scheduler
-from kvbudget.errors import InvalidInput, PolicyViolation
 
 BLOCK = 32
 
@@ -275,79 +272,3 @@ def test_a_due_caller_that_fits_the_headroom_is_not_held_back_by_a_stale_release
     # admitted once due (a quarter of its 2 s objective waited), not at the end of its bound
     assert t - arrived < 0.75
 
-
-class StreamedEngine(Engine):
-    """:class:`Engine` with callers arriving over time and each stream's longest gap between
-    two tokens recorded (a freeze)."""
-
-    def __init__(self, s: Scheduler) -> None:
-        super().__init__(s)
-        self.last_token: dict[str, float] = {}
-        self.longest_gap: dict[str, float] = {}
-        charge = s.charge
-
-        def timed_charge(rid: str, tokens: int, now: float) -> Sequence[ev.Action]:
-            last = self.last_token.get(rid)
-            if last is not None:
-                self.longest_gap[rid] = max(self.longest_gap.get(rid, 0.0), now - last)
-            self.last_token[rid] = now
-            return charge(rid, tokens, now)
-
-        s.charge = timed_charge  # type: ignore[method-assign]
-
-    def serve(self, arrivals: Sequence[tuple[float, str]], until: float = 60.0) -> None:
-        s, i = self.s, 0
-        while self.now < until and (i < len(arrivals) or self.running or s.queued()):
-            while i < len(arrivals) and arrivals[i][0] <= self.now:
-                self.apply(s.arrive(arrivals[i][1], spec(), self.now))
-                i += 1
-            if self.running or s.queued() or self.to_confirm:
-                self.run(until=self.now + 1e-4)  # (one step)
-            elif i < len(arrivals):
-                self.now = arrivals[i][0]
-        self.run(until=until)
-
-
-def sustained(limit: float | None) -> StreamedEngine:
-    """60 callers of 512 + 300 tokens over 3 s on 256 blocks: about four times what the cache
-    turns over in that time."""
-    e = StreamedEngine(measured(CalibratedPolicy(first_token_pause_limit_s=limit)))
-    e.serve([(0.05 * i, f"r{i}") for i in range(60)])
-    return e
-
-
-def test_a_pause_limit_bounds_every_freeze_and_turns_the_rest_away() -> None:
-    """Without a limit, streams paused for first tokens wait behind every caller whose first
-    token falls due: freezes of seconds, every caller served. With one, a stream paused longer
-    goes first and takes the turn of one that has run that long, no stream is paused for a
-    first token meanwhile, and the callers that would need more pauses are turned away."""
-    free = sustained(None)
-    assert not free.rejected and free.s.snapshot().totals.completed == 60
-    assert max(free.longest_gap.values()) > 4.0
-    bounded = sustained(0.5)
-    # (the limit, plus the round trip that confirms a pause and a re-prefill behind others)
-    assert max(bounded.longest_gap.values()) < 2.0
-    assert [v for v in bounded.gave_way if v[1].startswith("turn:")], "streams took turns"
-    reasons = set(bounded.rejected.values())
-    assert bounded.rejected and reasons <= {"deadline", "first-token-late", "queue-timeout"}
-    # every caller admitted got all its tokens; nothing is left behind
-    totals = bounded.s.snapshot().totals
-    assert totals.completed + len(bounded.rejected) == 60
-    assert not bounded.s.all_requests() and not bounded.s._paused_streams
-    assert bounded.s.ledger.reserved == 0
-
-
-@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, "1"])
-def test_a_pause_limit_must_be_a_finite_number_of_seconds(bad: object) -> None:
-    with pytest.raises(InvalidInput, match="first_token_pause_limit_s"):
-        CalibratedPolicy(first_token_pause_limit_s=bad)  # type: ignore[arg-type]
-
-
-def test_a_policy_answering_an_odd_pause_limit_is_refused() -> None:
-    class OddLimit(CalibratedPolicy):
-        def pause_limit_s(self, req: Request) -> float | None:
-            return math.nan
-
-    e = StreamedEngine(measured(OddLimit()))
-    with pytest.raises(PolicyViolation, match="pause limit must be a number >= 0 s, got nan"):
-        e.serve([(0.05 * i, f"r{i}") for i in range(60)])

@@ -307,9 +307,6 @@ def test_kvbudget_serve_takes_the_examples_first_token_pause_option() -> None:
     assert parser.parse_args([]).kvbudget_first_token_pause_share == POLICY_DEFAULT
     args = parser.parse_args(["--kvbudget-first-token-pause-share", "off"])
     assert args.kvbudget_first_token_pause_share is None
-    assert parser.parse_args([]).kvbudget_first_token_pause_limit == POLICY_DEFAULT
-    args = parser.parse_args(["--kvbudget-first-token-pause-limit", "1.5"])
-    assert args.kvbudget_first_token_pause_limit == 1.5
 
 
 if __name__ == "__main__":  # pragma: no cover

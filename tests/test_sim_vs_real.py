@@ -325,9 +325,6 @@ def test_the_examples_policy_settings_are_simulated() -> None:
     assert first.first_token_pause_share is None
     spaced = svr.example_policy("calibrated", ["--first-token-pause-share", "0.5"])()
     assert isinstance(spaced, CalibratedPolicy) and spaced.first_token_pause_share == 0.5
-    limited = svr.example_policy("calibrated", ["--first-token-pause-limit=1"])()
-    assert isinstance(limited, CalibratedPolicy) and limited.first_token_pause_limit_s == 1.0
-    assert limited.first_token_pause_share == 0.75  # (the policy's own)
     recorded = sb.run_settings(
         sb.parse_args(["--workload", "burst", "--example-arg=--first-token-pause-share=off"]), []
     )

@@ -60,7 +60,7 @@ from kvbudget.guard import (
     send_json,
 )
 from kvbudget.names import DEFAULT_MAX_TASKS, DEFAULT_MAX_TENANTS, NameLimits
-from kvbudget.policy_options import POLICY_DEFAULT, add_policy_options, server_policy
+from kvbudget.policy_options import POLICY_DEFAULT, add_first_token_pause_option, server_policy
 from kvbudget.validate import check_int
 from kvbudget.vllm import MAX_PARALLEL_SAMPLES, BudgetedEngine
 
@@ -431,7 +431,7 @@ def make_parser() -> Any:
     )
     group = parser.add_argument_group("kvbudget")  # type: ignore[no-untyped-call]
     group.add_argument("--kvbudget-policy", default="calibrated", help="budget policy")
-    add_policy_options(group, "--kvbudget-")
+    add_first_token_pause_option(group, "--kvbudget-first-token-pause-share")
     group.add_argument(
         "--kvbudget-classes", default=None, metavar="FILE",
         help="service classes: a JSON list of ServiceClass fields (default: interactive, batch)",
@@ -520,7 +520,6 @@ async def serve(args: argparse.Namespace) -> None:
         policy=server_policy(
             args.kvbudget_policy,
             getattr(args, "kvbudget_first_token_pause_share", POLICY_DEFAULT),
-            getattr(args, "kvbudget_first_token_pause_limit", POLICY_DEFAULT),
         ),
         model=names[0] if names else None,
         config=config,

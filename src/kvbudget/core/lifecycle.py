@@ -172,7 +172,6 @@ class Request:
         "last_token_at",
         "latency_floor",
         "outcome",
-        "paused_at",
         "paused_for",
         "preemptions",
         "prefill_ahead",
@@ -236,8 +235,6 @@ class Request:
         self.requeue_front = False
         #: paused for another caller's first token: requeued behind the callers then queued
         self.gave_way = False
-        #: when its last pause after its first token was confirmed (inf: never paused so)
-        self.paused_at = float("inf")
         #: streams were paused for this caller's first token (it is not turned away as late)
         self.paused_for = False
         self.release_started_at: float | None = None

@@ -174,10 +174,6 @@ class Scheduler:
         #: are back: :meth:`_protected_head_room`)
         self._round_for: dict[str, _PauseRound] = {}
         self._round_of_victim: dict[str, _PauseRound] = {}
-        #: streams paused after their first token, queued to resume, in the order of their
-        #: pauses (pruned lazily: :meth:`_overdue_pause`)
-        self._paused_streams: dict[str, Request] = {}
-        self._pause_limited = getattr(self.policy, "pause_limit_s", None) is not None
         #: actions already in effect in the ledger when a pass was cut short by an exception
         #: (a policy's answer refused, or a policy that raised): the next pass returns them
         #: first, so the shell still carries them out (its tick, at the latest)
@@ -658,10 +654,6 @@ class Scheduler:
             req.resume = req.checkpoint()
             # one paused for another caller's first token goes behind the callers queued now
             req.requeue_front = self.policy.requeue_front and not req.gave_way
-            if req.generated and self._pause_limited:
-                req.paused_at = now
-                self._paused_streams.pop(req.request_id, None)  # (re-inserted last)
-                self._paused_streams[req.request_id] = req
             req.gave_way = False
             grant = self._want_blocks(req)
             actions.append(ev.Released(req.request_id, freed, "preempted", resumable=True))
@@ -716,8 +708,6 @@ class Scheduler:
 
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
-        if self._paused_streams:
-            self._paused_streams.pop(req.request_id, None)
         self._remember(req.request_id)
 
     def _remember(self, request_id: str) -> None:
@@ -1162,15 +1152,9 @@ class Scheduler:
         """The next of ``queue`` to admit: its head, unless that is a checkpoint waiting to
         resume and a fresh caller behind it has its first token due
         (``Policy.first_token_pause_at``): the checkpoint has had its first token and paces
-        itself; the caller's first token is the most urgent thing in the queue. A stream
-        paused after its first token for longer than the policy allows
-        (:meth:`_overdue_pause`) goes before both, wherever it is queued."""
+        itself; the caller's first token is the most urgent thing in the queue."""
         head = queue.head()
         assert head is not None
-        if self._pause_limited:
-            overdue = self._overdue_pause()
-            if overdue is not None and overdue.cls is head.cls:
-                return overdue
         if head.resume is None or getattr(self.policy, "first_token_pause_at", None) is None:
             return head
         for req in queue:
@@ -1240,8 +1224,6 @@ class Scheduler:
             return True
         if self.preempting:
             return False  # room is already on its way back; do not preempt twice for one head
-        if req.resume is not None and req is self._overdue_pause():
-            return self._take_turn(req, blocks, now, actions)
         due = self._first_token_due(req)
         if self._back_in_time(req, blocks) if due else self.released_in_time(req, blocks):
             # checkpoint others only at the last responsible moment: a preemption now would
@@ -1314,71 +1296,12 @@ class Scheduler:
         req = self.requests.get(request_id)
         return req is not None and req.paused_for
 
-    def _take_turn(
-        self, req: Request, blocks: int, now: float, actions: list[ev.Action]
-    ) -> bool:
-        """The stream ``req``, paused after its first token for longer than the policy's limit
-        (:meth:`_overdue_pause`), does not fit: the streams the policy lets give it their turn
-        (``Policy.gives_way(victim, req)``: one that has run that long since it was admitted)
-        are paused for it and queue behind it, so that streams take turns rather than one
-        waiting for the cache to turn over. False: it waits (the pauses are in ``actions``)."""
-        gives_way = getattr(self.policy, "gives_way", None)
-        if gives_way is None:
-            return False
-        # (only a stream that has had a token since it was admitted: each turn makes progress,
-        # so streams never take turns forever without generating)
-        candidates = [
-            r
-            for r in self.live.values()
-            if r.spec.resumable
-            and r.state is not State.ADMITTED
-            and r.generated < r.hard_max
-            and self._ask(gives_way, r, req)
-        ]
-        if not candidates:
-            return False
-        need = blocks - self.ledger.spare(protected=False)
-        victims = self._checked_victims(
-            self._ask(self.policy.choose_victims, req, need, candidates), candidates, "turn"
-        )
-        for victim in victims:
-            victim.gave_way = True
-            self._preempt(victim, now, actions, reason=f"turn:{req.request_id}")
-        return False
-
     def _first_token_pause_at(self, req: Request) -> float | None:
         at = getattr(self.policy, "first_token_pause_at", None)
-        if at is None or self._overdue_pause() is not None:
+        if at is None:
             return None
         share: float | None = self._ask(at, req)
         return share
-
-    def _overdue_pause(self) -> Request | None:
-        """The stream paused after its first token longest ago (for a caller's first token, at
-        its boundary, or for another's turn), if it has waited to resume longer than the policy
-        allows (``Policy.pause_limit_s``, optional; None: no limit). While it
-        waits, no stream is paused for a first token and it resumes before any fresh caller:
-        a freeze is bounded by that limit plus the time a release takes, and the callers the
-        engine cannot also serve meet the front's "overloaded" rather than more pauses."""
-        paused = self._paused_streams
-        if not paused:
-            return None
-        limit = getattr(self.policy, "pause_limit_s", None)
-        if limit is None:
-            return None
-        while paused:
-            oldest = next(iter(paused.values()))
-            if oldest.state is State.CHECKPOINTED:
-                bound = self._ask(limit, oldest)
-                if bound is None:
-                    return None
-                if bound.__class__ not in (int, float) or not bound >= 0.0:
-                    raise PolicyViolation(
-                        self.policy.name, f"pause limit must be a number >= 0 s, got {bound!r}"
-                    )
-                return oldest if self.now - oldest.paused_at >= bound else None
-            del paused[oldest.request_id]  # (resumed or gone)
-        return None
 
     def _first_token_due(self, req: Request) -> bool:
         """Does the policy pause running streams for ``req``'s first token now

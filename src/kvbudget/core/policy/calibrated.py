@@ -21,8 +21,6 @@ if TYPE_CHECKING:
 _REFERENCE_S = 2.0
 #: the default ``first_token_pause_share`` (:meth:`CalibratedPolicy.first_token_pause_at`)
 FIRST_TOKEN_PAUSE_SHARE = 0.75
-#: the default ``first_token_pause_limit_s`` (:meth:`CalibratedPolicy.pause_limit_s`)
-FIRST_TOKEN_PAUSE_LIMIT_S: float | None = None
 
 
 class CalibratedPolicy(BasePolicy):
@@ -81,7 +79,6 @@ class CalibratedPolicy(BasePolicy):
         recompute_share: float | None = 0.1,
         min_prefill_observations: int = 8,
         first_token_pause_share: float | None = FIRST_TOKEN_PAUSE_SHARE,
-        first_token_pause_limit_s: float | None = FIRST_TOKEN_PAUSE_LIMIT_S,
     ) -> None:
         self.headroom_min = check_float("headroom_min", headroom_min, maximum=1.0)
         self.headroom_max = check_float(
@@ -115,13 +112,6 @@ class CalibratedPolicy(BasePolicy):
             if first_token_pause_share is None
             else check_float(
                 "first_token_pause_share", first_token_pause_share, open_min=True, maximum=1.0
-            )
-        )
-        self.first_token_pause_limit_s = (
-            None
-            if first_token_pause_limit_s is None
-            else check_float(
-                "first_token_pause_limit_s", first_token_pause_limit_s, maximum=3600.0
             )
         )
         self._demand = 0.0
@@ -214,12 +204,6 @@ class CalibratedPolicy(BasePolicy):
             return None
         return share * objective
 
-    def pause_limit_s(self, req: Request) -> float | None:
-        """``first_token_pause_limit_s``: how long a stream paused for first tokens may wait to
-        resume before it goes ahead of every fresh caller and no stream is paused for a first
-        token meanwhile (None: no limit)."""
-        return self.first_token_pause_limit_s
-
     def gives_way(self, victim: Request, head: Request) -> bool:
         """``victim`` was never paused, is cheap to pause, is of no higher priority than
         ``head``, and is expected (its conditional median length, at the current step time)
@@ -228,19 +212,13 @@ class CalibratedPolicy(BasePolicy):
         pause."""
         if (
             victim is head
+            or victim.preemptions
             or victim.cls.priority < head.cls.priority
             or victim.state not in LIVE_STATES
             or not self.cheap_to_pause(victim)
         ):
             return False
         s = self._s
-        if head.resume is not None:
-            # a stream paused for first tokens past its limit takes the turn of one that has
-            # run at least that long since it was (re)admitted
-            limit = self.first_token_pause_limit_s
-            return limit is not None and s.now - victim.admitted_at >= limit
-        if victim.preemptions:
-            return False
         slack = s.queue_slack(head)
         held = s.seconds_left(victim)
         return held > s.cost.predict_prefill(s.ledger.reprefill_tokens(victim)) and (
