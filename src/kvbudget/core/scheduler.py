@@ -96,17 +96,6 @@ _GAP_ALPHA = 0.01
 _GAP_MAX = 0.25
 
 
-class _PauseRound:
-    """One round of pauses for first tokens: the streams paused, whose blocks are not back yet,
-    and the callers it was made for."""
-
-    __slots__ = ("callers", "victims")
-
-    def __init__(self, victims: set[str], callers: set[str]) -> None:
-        self.victims = victims
-        self.callers = callers
-
-
 class Scheduler:
     """The sans-I/O core. Pass ``now`` in; get actions out."""
 
@@ -170,10 +159,6 @@ class Scheduler:
         #: average; 0 before any): the engine's step plus everything around it
         self.token_gap = 0.0
         self._active_by_floor: dict[float, int] = {}
-        #: the callers a round of pauses for first tokens is under way for (until its blocks
-        #: are back: :meth:`_protected_head_room`)
-        self._round_for: dict[str, _PauseRound] = {}
-        self._round_of_victim: dict[str, _PauseRound] = {}
         #: actions already in effect in the ledger when a pass was cut short by an exception
         #: (a policy's answer refused, or a policy that raised): the next pass returns them
         #: first, so the shell still carries them out (its tick, at the latest)
@@ -645,8 +630,6 @@ class Scheduler:
         self.releasing -= 1
         if preempting:
             self.preempting -= 1
-        if self._round_of_victim:
-            self._victim_back(req.request_id)
         self.forecast.note_release(freed, now)
         if self._idle:
             self.forecast.note_idle(now, True)
@@ -670,18 +653,6 @@ class Scheduler:
             actions.append(ev.Released(req.request_id, freed, outcome))
             self._forget(req)
         return self._pass_after(now, actions)
-
-    def _victim_back(self, rid: str) -> None:
-        """``rid``'s blocks are back (or it stopped for good): once all of its pause round's are,
-        admission decides on the round's callers as on any other."""
-        round_ = self._round_of_victim.pop(rid, None)
-        if round_ is None:
-            return
-        round_.victims.discard(rid)
-        if not round_.victims:
-            for caller in round_.callers:
-                if self._round_for.get(caller) is round_:
-                    del self._round_for[caller]
 
     def _turn_away(self, req: Request, reason: str) -> ev.Reject:
         """Take a queued request out of its queue for good: a caller is rejected (``reason``),
@@ -1276,14 +1247,10 @@ class Scheduler:
         )
         if due and victims:
             # the callers this round pauses streams for are never turned away as late, nor at
-            # their queue bound while its blocks are on their way back: streams paused for a
-            # caller then refused are lost twice
-            round_ = _PauseRound({v.request_id for v in victims}, {r.request_id for r in served})
-            for rid in round_.victims:
-                self._round_of_victim[rid] = round_
+            # their queue bound, until they are admitted: streams paused for a caller then
+            # refused are lost twice
             for r in served:
                 r.paused_for = True
-                self._round_for[r.request_id] = round_
         for victim in victims:
             if not victim.cls.preemptible:
                 victim.gave_way = True  # (paused for a first token: requeued behind it)
