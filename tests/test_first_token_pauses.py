@@ -270,4 +270,3 @@ def test_a_due_caller_that_fits_the_headroom_is_not_held_back_by_a_stale_release
     assert n.state is State.ADMITTED
     # admitted once due (a quarter of its 2 s objective waited), not at the end of its bound
     assert t - arrived < 0.75
-

@@ -48,9 +48,9 @@ del _name, _case
 
 class _PausesEngaged(CalibratedPolicy):
     """Calibrated with every resumable request cheap to pause: its pauses for first tokens and
-    at boundaries engage from the first step (with the default cost model they rarely do in
-    the harness). It found a caller streams were paused for left queued past its bound for good
-    (the tick had dropped it from its class's expiry floor)."""
+    at boundaries engage from the first step (with the default cost model the harness rarely
+    reaches them), so every invariant is checked through rounds of pauses, and so is the rule
+    that a caller streams were paused for waits to be served (``Scheduler.paused_for``)."""
 
     def cheap_to_pause(self, req: Request) -> bool:
         return req.spec.resumable

@@ -774,8 +774,8 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 bounds = [b for b in (sh.cls.max_queue_delay_s,) if b is not None]
                 if sh.deadline_at is not None:
                     bounds.append(sh.deadline_at - sh.arrival)
-                # (a caller streams are being paused for waits for their blocks: turned away
-                # then, the pauses and the caller would both be lost)
+                # (a caller streams were paused for waits to be served: turned away, the
+                # pauses and the caller would both be lost)
                 assert (
                     not bounds
                     or self.now - sh.arrival <= min(bounds)
