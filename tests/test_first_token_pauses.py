@@ -270,3 +270,42 @@ def test_a_due_caller_that_fits_the_headroom_is_not_held_back_by_a_stale_release
     assert n.state is State.ADMITTED
     # admitted once due (a quarter of its 2 s objective waited), not at the end of its bound
     assert t - arrived < 0.75
+
+
+def test_the_stream_that_gives_way_is_the_one_a_pause_costs_least() -> None:
+    # Where a pause is cheap, a stream that needs room pauses one admitted after it. Not the
+    # newest, as vLLM does: the one that makes the most tokens per pause it will have had.
+    # Two streams after "a": "short" (its task stops at ~40 tokens, newest) and "long" (~1,000):
+    # one pause breaks the pace of a 40-token answer (1 gap in 39 over the floor), not a
+    # 1,000-token one's; paused once already, "long" counts as 500 and still goes first; only
+    # once it has been paused so often that its tokens per pause fall below 40 is it spared.
+    policy = CalibratedPolicy()
+    s = measured(policy, blocks=256)
+    for _ in range(64):
+        s.lengths.observe(spec_for("short").calibration_key, 40)
+        s.lengths.observe(spec_for("long").calibration_key, 1000)
+    for rid in ("a", "long", "short"):
+        s.arrive(rid, spec_for(rid if rid != "a" else "long"), 0.0)
+        s.charge(rid, 1, 0.01)
+    a, long_, short = (s.requests[r] for r in ("a", "long", "short"))
+    assert a.seq < long_.seq < short.seq and policy.cheap_to_pause(a)
+    candidates = [long_, short]
+    assert policy.choose_victims(a, 1, candidates) == [long_]
+    long_.preemptions = 1
+    assert policy.choose_victims(a, 1, candidates) == [long_]
+    long_.preemptions = 30  # 1,000 / 31 tokens per pause: fewer than short's 40
+    assert policy.choose_victims(a, 1, candidates) == [short]
+    # equal expected lengths: the newest first, as vLLM preempts
+    long_.preemptions = 0
+    short.key = long_.key
+    assert policy.choose_victims(a, 1, candidates) == [short]
+    # a stream still awaiting its first token goes last, however long
+    short.key = spec_for("short").calibration_key
+    s.arrive("fresh", spec_for("long"), 0.02)
+    fresh = s.requests["fresh"]
+    assert fresh.first_token_at is None and fresh.seq > short.seq
+    assert policy.choose_victims(a, 10**6, [fresh, long_, short]) == [long_, short, fresh]
+
+
+def spec_for(task: str) -> RequestSpec:
+    return RequestSpec(prompt_tokens=256, max_tokens=1500, model_max_len=2048, task=task)

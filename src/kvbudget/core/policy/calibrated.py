@@ -156,8 +156,9 @@ class CalibratedPolicy(BasePolicy):
         keep cached) takes at most ``recompute_share`` of its first-token objective (2 s for a
         class without one).
         Such a request is granted like vLLM grants: the blocks it fills now and one more, grown
-        two blocks at a time; when the cache runs out the most recently admitted request is
-        paused (checkpointed), as vLLM preempts, but before the engine has to."""
+        two blocks at a time; when the cache runs out a request admitted after it is paused
+        (checkpointed; :meth:`_newer` says which), as vLLM preempts, but before the engine
+        has to."""
         share = self.recompute_share
         if share is None or not req.spec.resumable:
             return False
@@ -176,16 +177,26 @@ class CalibratedPolicy(BasePolicy):
         return self.cheap_to_pause(req)
 
     def _newer(self, req: Request) -> list[Request]:
-        """Live requests admitted after ``req`` that may be paused, newest first, those still
-        waiting for their first token last (a pause would make it late; one that has had it
-        loses only pace)."""
+        """Live requests admitted after ``req`` that may be paused, in the order they give way:
+        those still waiting for their first token last (a pause would make it late; one that
+        has had it loses only pace), then the most tokens per pause first: the length a stream
+        is expected to reach (:meth:`~kvbudget.core.scheduler.Scheduler.expected_length`) over
+        the pauses it will then have had. A pause is one long gap in a stream; spread over many
+        tokens it costs the stream's pace little, over few it breaks it (a stream of 50 tokens
+        paused once has 2 % of its gaps over the floor), and a second pause of one stream costs
+        it twice. Equal ones: the newest first, as vLLM preempts."""
+        s = self._s
         return sorted(
             (
                 r
-                for r in self._s.live.values()
+                for r in s.live.values()
                 if r.seq > req.seq and r.spec.resumable and r.generated < r.hard_max
             ),
-            key=lambda r: (r.first_token_at is None, -r.seq),
+            key=lambda r: (
+                r.first_token_at is None,
+                -s.expected_length(r) / (1 + r.preemptions),
+                -r.seq,
+            ),
         )
 
     def first_token_pause_at(self, req: Request) -> float | None:
@@ -309,7 +320,7 @@ class CalibratedPolicy(BasePolicy):
 
     def on_blocked(self, req: Request) -> Blocked:
         if self.cheap_to_pause(req):
-            # as vLLM: the most recently admitted gives way, this one if it is the newest; asked
+            # as vLLM: one admitted after it gives way, this one if it is the newest; asked
             # ahead, not while every newer one still awaits its first token (a pause would make
             # it late): at the boundary, a block of tokens later, they have had it
             newer = self._newer(req)
