@@ -4,7 +4,7 @@ and, where the engine's re-prefill is cheap, the engine's own optimism (class do
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from kvbudget.core.lifecycle import LIVE_STATES, State
@@ -176,6 +176,14 @@ class CalibratedPolicy(BasePolicy):
     def acts_ahead(self, req: Request) -> bool:
         return self.cheap_to_pause(req)
 
+    def _pausable_after(self, req: Request) -> Iterator[Request]:
+        """Live requests admitted after ``req`` that may be paused (in no particular order)."""
+        return (
+            r
+            for r in self._s.live.values()
+            if r.seq > req.seq and r.spec.resumable and r.generated < r.hard_max
+        )
+
     def _newer(self, req: Request) -> list[Request]:
         """Live requests admitted after ``req`` that may be paused, in the order they give way:
         those still waiting for their first token last (a pause would make it late; one that
@@ -187,11 +195,7 @@ class CalibratedPolicy(BasePolicy):
         it twice. Equal ones: the newest first, as vLLM preempts."""
         s = self._s
         return sorted(
-            (
-                r
-                for r in s.live.values()
-                if r.seq > req.seq and r.spec.resumable and r.generated < r.hard_max
-            ),
+            self._pausable_after(req),
             key=lambda r: (
                 r.first_token_at is None,
                 -s.expected_length(r) / (1 + r.preemptions),
@@ -323,8 +327,9 @@ class CalibratedPolicy(BasePolicy):
             # as vLLM: one admitted after it gives way, this one if it is the newest; asked
             # ahead, not while every newer one still awaits its first token (a pause would make
             # it late): at the boundary, a block of tokens later, they have had it
-            newer = self._newer(req)
-            if newer and (req.state is State.EXTENDING or newer[0].first_token_at is not None):
+            # (whether one could give way, not which: choose_victims orders them)
+            newer = [r.first_token_at is not None for r in self._pausable_after(req)]
+            if newer and (req.state is State.EXTENDING or any(newer)):
                 return Blocked.PREEMPT_OTHERS
             if newer:
                 return Blocked.WAIT
