@@ -328,10 +328,10 @@ class CalibratedPolicy(BasePolicy):
             # ahead, not while every newer one still awaits its first token (a pause would make
             # it late): at the boundary, a block of tokens later, they have had it
             # (whether one could give way, not which: choose_victims orders them)
-            newer = [r.first_token_at is not None for r in self._pausable_after(req)]
-            if newer and (req.state is State.EXTENDING or any(newer)):
+            had_first_token = [r.first_token_at is not None for r in self._pausable_after(req)]
+            if had_first_token and (req.state is State.EXTENDING or any(had_first_token)):
                 return Blocked.PREEMPT_OTHERS
-            if newer:
+            if had_first_token:
                 return Blocked.WAIT
             if req.spec.on_exhausted == "continue":
                 return Blocked.CONTINUE if req.state is State.EXTENDING else Blocked.WAIT
