@@ -443,6 +443,45 @@ async def test_generate_runs_to_completion_and_confirms() -> None:
         assert budget.engine is engine
 
 
+class _PayloadEngine(SimEngine):
+    """A SimEngine whose every third step carries a payload: (engine request id, tokens so far)."""
+
+    async def _run(self, request_id, prompt, max_tokens, resume):  # type: ignore[no-untyped-def]
+        import attrs
+
+        done = resume.generated_tokens if resume is not None else 0
+        async with aclosing(super()._run(request_id, prompt, max_tokens, resume)) as steps:
+            async for step in steps:
+                done += step.new_tokens
+                keep = step.finished or done % 3 == 0
+                yield attrs.evolve(step, payload=(request_id, done) if keep else None)
+
+
+async def test_generate_payloads_yields_the_engine_outputs_and_charges_every_step() -> None:
+    engine = _PayloadEngine(lengths={"a": 100, "b": 41})
+    results: list[GenerationResult] = []
+    async with Budget(Capacity(200, 16), lengths=short_lengths()) as budget:
+        got = []
+        outs = budget.generate_payloads(engine, spec(max_tokens=1000), request_id="a")
+        async with aclosing(outs):
+            async for out in outs:
+                got.append(out)
+        # durable, through the budget's own task: the same outputs, and the result to the sink
+        durable = []
+        async for out in budget.generate_payloads(
+            engine, spec(max_tokens=40, durable=True), request_id="b", sink=results.append
+        ):
+            durable.append(out)
+        await anyio.sleep(0.05)
+        snap = budget.snapshot()
+    want = [("a", n) for n in range(3, 100, 3)] + [("a", 100)]
+    assert got == want  # the finishing step's payload last, steps without one skipped
+    assert durable == [("b", n) for n in range(3, 40, 3)] + [("b", 40)]
+    assert [(r.outcome, r.tokens) for r in results] == [("completed", 40)]
+    assert snap.totals.completed == 2 and snap.reserved_blocks == 0
+    assert snap.totals.extensions >= 1  # every step was charged: "a" grew through boundaries
+
+
 async def test_generate_respects_hard_max() -> None:
     engine = SimEngine(lengths={"a": 500})
     async with Budget(Capacity(200, 16)) as budget:

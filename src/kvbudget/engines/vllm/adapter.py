@@ -1768,7 +1768,7 @@ class BudgetedEngine:
                 if hasattr(out, "__await__"):
                     await out
 
-        steps = self.budget.generate(
+        steps = self.budget.generate_payloads(
             reng, spec, request_id=request_id, sink=bsink, arrive_now=arrive_now
         )
         self._requests[request_id] = reng
@@ -1788,10 +1788,7 @@ class BudgetedEngine:
         try:
             async with contextlib.aclosing(steps):
                 try:
-                    async for step in steps:
-                        out: Any = step.payload
-                        if out is None:
-                            continue
+                    async for out in steps:  # (every step of this engine has its output)
                         if acc is None:
                             if out.request_id != request_id:
                                 out.request_id = request_id
