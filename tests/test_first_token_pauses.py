@@ -15,6 +15,7 @@ from kvbudget.core.forecast import Forecast
 from kvbudget.core.ledger import State
 from kvbudget.core.model import Capacity, RequestSpec
 from kvbudget.core.policy import CalibratedPolicy
+from kvbudget.core.policy.base import Blocked
 from kvbudget.core.scheduler import Scheduler
 
 BLOCK = 32
@@ -309,3 +310,46 @@ def test_the_stream_that_gives_way_is_the_one_a_pause_costs_least() -> None:
 
 def spec_for(task: str) -> RequestSpec:
     return RequestSpec(prompt_tokens=256, max_tokens=1500, model_max_len=2048, task=task)
+
+
+def test_growth_asked_ahead_waits_for_blocks_due_back_before_its_boundary() -> None:
+    # "a" asks ahead of its boundary and "b", admitted after it, has had its first token: "b"
+    # gives way now, unless blocks are due back first: a stop the engine is expected to have
+    # confirmed, or a stream expected to end (and be confirmed, two steps), before "a" reaches
+    # its boundary.
+    # At its boundary, or too near it for a release to come, "a" has "b" give way after all.
+    policy = CalibratedPolicy()
+    s = measured(policy, blocks=256)
+    for _ in range(64):
+        s.lengths.observe(spec_for("short").calibration_key, 40)
+        s.lengths.observe(spec_for("long").calibration_key, 1000)
+    for rid in ("a", "b"):
+        s.arrive(rid, spec_for("long"), 0.0)
+        s.charge(rid, 1, 0.01)
+    a = s.requests["a"]
+    step = s.step_seconds()
+    assert policy.cheap_to_pause(a) and a.boundary - a.generated > 3
+    assert policy.on_blocked(a) is Blocked.PREEMPT_OTHERS  # nothing is due back
+    s.arrive("c", spec_for("short"), 0.0)  # a short answer, one token from its expected end
+    for _ in range(38):
+        s.charge("c", 1, 0.02)
+    c = s.requests["c"]
+    assert s.seconds_left(c, step) + 2 * step <= (a.boundary - a.generated) * step
+    assert policy.on_blocked(a) is Blocked.WAIT
+    # too near its boundary for "c"'s blocks to be back in time
+    a.generated = a.boundary - 2
+    assert policy.on_blocked(a) is Blocked.PREEMPT_OTHERS
+    # a stop still to be confirmed: not counted on before the engine has shown how long its
+    # confirmations take; then counted on if it is due back in time
+    a.generated = 1
+    s.cancel("c", 0.03)
+    assert "c" in s.stopping and "c" not in s.live
+    assert s.confirm_seconds is None and policy.on_blocked(a) is Blocked.PREEMPT_OTHERS
+    s.arrive("d", spec_for("short"), 0.03)
+    s.cancel("d", 0.03)
+    s.confirm_release("d", 0.031)
+    assert s.confirm_seconds == pytest.approx(0.001)
+    assert policy.on_blocked(a) is Blocked.WAIT
+    # an engine that confirms slowly: the same stop is not due back before the boundary
+    s.confirm_seconds = 10.0
+    assert policy.on_blocked(a) is Blocked.PREEMPT_OTHERS

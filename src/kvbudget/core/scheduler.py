@@ -94,6 +94,8 @@ _PREEMPTING = State.PREEMPTING
 _GAP_ALPHA = 0.01
 #: gaps this long are a wait (at a boundary, for a reader), not the pace: left out of it
 _GAP_MAX = 0.25
+#: weight of each new confirmation in Scheduler.confirm_seconds (about the last 20 stops)
+_CONFIRM_ALPHA = 0.05
 
 
 class Scheduler:
@@ -158,6 +160,9 @@ class Scheduler:
         #: seconds per token between a stream's charges, as the shell sees them (a moving
         #: average; 0 before any): the engine's step plus everything around it
         self.token_gap = 0.0
+        #: seconds from a stop to the engine's confirmation of it (a moving average; None
+        #: before any): when the blocks of a stop still to be confirmed are due back
+        self.confirm_seconds: float | None = None
         self._active_by_floor: dict[float, int] = {}
         #: actions already in effect in the ledger when a pass was cut short by an exception
         #: (a policy's answer refused, or a policy that raised): the next pass returns them
@@ -627,6 +632,13 @@ class Scheduler:
         preempting = req.state is State.PREEMPTING
         freed = self.ledger.release(req)
         self._stopping.pop(req.request_id, None)
+        started = req.release_started_at
+        if started is not None:
+            took = max(0.0, now - started)
+            known = self.confirm_seconds
+            self.confirm_seconds = (
+                took if known is None else known + _CONFIRM_ALPHA * (took - known)
+            )
         self.releasing -= 1
         if preempting:
             self.preempting -= 1

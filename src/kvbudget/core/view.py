@@ -46,6 +46,10 @@ class SchedulerView(Protocol):
     @property
     def stopping(self) -> Mapping[str, Request]: ...
 
+    #: seconds from a stop to the engine's confirmation of it, averaged (None before any)
+    @property
+    def confirm_seconds(self) -> float | None: ...
+
     #: how many requests hold a live grant; how many are stopped awaiting confirmation
     @property
     def active(self) -> int: ...

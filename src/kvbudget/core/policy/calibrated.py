@@ -330,6 +330,8 @@ class CalibratedPolicy(BasePolicy):
             # (whether one could give way, not which: choose_victims orders them)
             had_first_token = [r.first_token_at is not None for r in self._pausable_after(req)]
             if had_first_token and (req.state is State.EXTENDING or any(had_first_token)):
+                if req.state is not State.EXTENDING and self._released_before_boundary(req):
+                    return Blocked.WAIT
                 return Blocked.PREEMPT_OTHERS
             if had_first_token:
                 return Blocked.WAIT
@@ -343,6 +345,30 @@ class CalibratedPolicy(BasePolicy):
         if req.cls.protected and any(self._eligible(req, r) for r in self._s.live.values()):
             return Blocked.PREEMPT_OTHERS
         return Blocked.CONTINUE if req.spec.on_exhausted == "continue" else Blocked.WAIT
+
+    def _released_before_boundary(self, req: Request) -> bool:
+        """Are blocks expected back before ``req``, which asked ahead, reaches its boundary
+        (two steps before it, for the decision taken then to return blocks in time)? A stop
+        the engine is expected to have confirmed by then (at the confirmation delay it has
+        shown), or a live stream expected to end (its conditional median) and be confirmed (two
+        steps) by then."""
+        s = self._s
+        step = s.step_seconds()
+        horizon = (req.boundary - req.generated) * step
+        if horizon <= 2 * step:
+            return False
+        confirm = s.confirm_seconds
+        if confirm is not None and s.stopping:
+            due = s.now + horizon - 2 * step - confirm
+            if any(
+                r.release_started_at is not None and r.release_started_at <= due
+                for r in s.stopping.values()
+            ):
+                return True
+        return any(
+            r is not req and s.seconds_left(r, step) + 2 * step <= horizon
+            for r in s.live.values()
+        )
 
     @staticmethod
     def _eligible(req: Request, victim: Request) -> bool:
