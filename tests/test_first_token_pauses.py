@@ -281,13 +281,7 @@ def test_the_stream_that_gives_way_is_the_one_a_pause_costs_least() -> None:
     # 1,000-token one's; paused once already, "long" counts as 500 and still goes first; only
     # once it has been paused so often that its tokens per pause fall below 40 is it spared.
     policy = CalibratedPolicy()
-    s = measured(policy, blocks=256)
-    for _ in range(64):
-        s.lengths.observe(spec_for("short").calibration_key, 40)
-        s.lengths.observe(spec_for("long").calibration_key, 1000)
-    for rid in ("a", "long", "short"):
-        s.arrive(rid, spec_for(rid if rid != "a" else "long"), 0.0)
-        s.charge(rid, 1, 0.01)
+    s = short_and_long(policy, {"a": "long", "long": "long", "short": "short"})
     a, long_, short = (s.requests[r] for r in ("a", "long", "short"))
     assert a.seq < long_.seq < short.seq and policy.cheap_to_pause(a)
     candidates = [long_, short]
@@ -312,6 +306,19 @@ def spec_for(task: str) -> RequestSpec:
     return RequestSpec(prompt_tokens=256, max_tokens=1500, model_max_len=2048, task=task)
 
 
+def short_and_long(policy: CalibratedPolicy, streams: dict[str, str]) -> Scheduler:
+    """A measured scheduler whose "short" task's answers stop at 40 tokens and "long" one's at
+    1,000, with ``streams`` (request id -> task) admitted in order, each with its first token."""
+    s = measured(policy, blocks=256)
+    for _ in range(64):
+        s.lengths.observe(spec_for("short").calibration_key, 40)
+        s.lengths.observe(spec_for("long").calibration_key, 1000)
+    for rid, task in streams.items():
+        s.arrive(rid, spec_for(task), 0.0)
+        s.charge(rid, 1, 0.01)
+    return s
+
+
 def test_growth_asked_ahead_waits_for_blocks_due_back_before_its_boundary() -> None:
     # "a" asks ahead of its boundary and "b", admitted after it, has had its first token: "b"
     # gives way now, unless blocks are due back first: a stop the engine is expected to have
@@ -319,13 +326,7 @@ def test_growth_asked_ahead_waits_for_blocks_due_back_before_its_boundary() -> N
     # its boundary.
     # At its boundary, or too near it for a release to come, "a" has "b" give way after all.
     policy = CalibratedPolicy()
-    s = measured(policy, blocks=256)
-    for _ in range(64):
-        s.lengths.observe(spec_for("short").calibration_key, 40)
-        s.lengths.observe(spec_for("long").calibration_key, 1000)
-    for rid in ("a", "b"):
-        s.arrive(rid, spec_for("long"), 0.0)
-        s.charge(rid, 1, 0.01)
+    s = short_and_long(policy, {"a": "long", "b": "long"})
     a = s.requests["a"]
     step = s.step_seconds()
     assert policy.cheap_to_pause(a) and a.boundary - a.generated > 3
