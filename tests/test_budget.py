@@ -6,6 +6,7 @@ import logging
 from contextlib import aclosing
 
 import anyio
+import attrs
 import pytest
 import structlog
 
@@ -447,8 +448,6 @@ class _PayloadEngine(SimEngine):
     """A SimEngine whose every third step carries a payload: (engine request id, tokens so far)."""
 
     async def _run(self, request_id, prompt, max_tokens, resume):  # type: ignore[no-untyped-def]
-        import attrs
-
         done = resume.generated_tokens if resume is not None else 0
         async with aclosing(super()._run(request_id, prompt, max_tokens, resume)) as steps:
             async for step in steps:

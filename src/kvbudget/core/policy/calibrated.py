@@ -329,11 +329,11 @@ class CalibratedPolicy(BasePolicy):
             # it late): at the boundary, a block of tokens later, they have had it
             # (whether one could give way, not which: choose_victims orders them)
             had_first_token = [r.first_token_at is not None for r in self._pausable_after(req)]
-            if had_first_token and (req.state is State.EXTENDING or any(had_first_token)):
-                if req.state is not State.EXTENDING and self._released_before_boundary(req):
-                    return Blocked.WAIT
-                return Blocked.PREEMPT_OTHERS
             if had_first_token:
+                if req.state is State.EXTENDING or (
+                    any(had_first_token) and not self._released_before_boundary(req)
+                ):
+                    return Blocked.PREEMPT_OTHERS
                 return Blocked.WAIT
             if req.spec.on_exhausted == "continue":
                 return Blocked.CONTINUE if req.state is State.EXTENDING else Blocked.WAIT
@@ -347,11 +347,11 @@ class CalibratedPolicy(BasePolicy):
         return Blocked.CONTINUE if req.spec.on_exhausted == "continue" else Blocked.WAIT
 
     def _released_before_boundary(self, req: Request) -> bool:
-        """Are blocks expected back before ``req``, which asked ahead, reaches its boundary
-        (two steps before it, for the decision taken then to return blocks in time)? A stop
-        the engine is expected to have confirmed by then (at the confirmation delay it has
-        shown), or a live stream expected to end (its conditional median) and be confirmed (two
-        steps) by then."""
+        """Are blocks expected back before ``req``, which asked ahead, reaches its boundary? A
+        stop the engine is expected to have confirmed (at the confirmation delay it has shown)
+        two steps before it, so that a pause decided then would still return blocks in time, or
+        a live stream expected to end (its conditional median) and be confirmed (two steps)
+        before it."""
         s = self._s
         step = s.step_seconds()
         horizon = (req.boundary - req.generated) * step
