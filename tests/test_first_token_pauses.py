@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import attrs
 import pytest
 
 from kvbudget.core import events as ev
@@ -354,3 +355,43 @@ def test_growth_asked_ahead_waits_for_blocks_due_back_before_its_boundary() -> N
     # an engine that confirms slowly: the same stop is not due back before the boundary
     s.confirm_seconds = 10.0
     assert policy.on_blocked(a) is Blocked.PREEMPT_OTHERS
+
+
+def test_growth_of_a_less_important_stream_never_pauses_a_more_important_one() -> None:
+    # "a" (batch) asks ahead of its boundary with no room and nothing due back. Streams admitted
+    # after it may give way, but only of its class or a less important one: with only an
+    # interactive stream after it, "a" gives way itself (as vLLM's priority scheduling preempts
+    # the least important request, which may be the one that needs room); with a batch stream
+    # after it as well, that one does, however much longer the interactive one is expected to
+    # run. Among equals nothing changes: an interactive asker still has an interactive stream
+    # admitted after it give way.
+    policy = CalibratedPolicy()
+    s = short_and_long(policy, {})
+    batch_long = RequestSpec(
+        prompt_tokens=256, max_tokens=1500, model_max_len=2048, task="long",
+        service_class="batch",
+    )
+    batch_mid = attrs.evolve(batch_long, task="mid")
+    for _ in range(64):
+        s.lengths.observe(batch_long.calibration_key, 1000)
+        s.lengths.observe(batch_mid.calibration_key, 500)
+    s.arrive("a", batch_long, 0.0)
+    s.charge("a", 1, 0.01)
+    s.arrive("i", spec_for("long"), 0.0)
+    s.charge("i", 1, 0.01)
+    a, i = s.requests["a"], s.requests["i"]
+    assert a.cls.priority > i.cls.priority and a.seq < i.seq
+    assert policy.cheap_to_pause(a) and a.boundary - a.generated > 3
+    assert policy.on_blocked(a) is Blocked.PREEMPT_SELF
+    assert policy.choose_victims(a, 1, [i]) == []
+    s.arrive("b", batch_mid, 0.0)
+    s.charge("b", 1, 0.01)
+    b = s.requests["b"]
+    assert s.expected_length(i) > s.expected_length(b)
+    assert policy.on_blocked(a) is Blocked.PREEMPT_OTHERS
+    assert policy.choose_victims(a, 1, [i, b]) == [b]
+    # an interactive asker: a stream of its own class admitted after it still gives way
+    s.arrive("j", spec_for("long"), 0.0)
+    s.charge("j", 1, 0.01)
+    assert policy.on_blocked(i) is Blocked.PREEMPT_OTHERS
+    assert policy.choose_victims(i, 1, [b, s.requests["j"]]) == [s.requests["j"]]

@@ -176,23 +176,29 @@ class CalibratedPolicy(BasePolicy):
     def acts_ahead(self, req: Request) -> bool:
         return self.cheap_to_pause(req)
 
-    def _pausable_after(self, req: Request) -> Iterator[Request]:
-        """Live requests admitted after ``req`` that may be paused (in no particular order)."""
+    def _pausable_after(self, req: Request, any_priority: bool = False) -> Iterator[Request]:
+        """Live requests admitted after ``req`` that may be paused for it: of no higher priority
+        than ``req`` unless ``any_priority`` (in no particular order)."""
+        priority = 0 if any_priority else req.cls.priority  # (0: the most important)
         return (
             r
             for r in self._s.live.values()
-            if r.seq > req.seq and r.spec.resumable and r.generated < r.hard_max
+            if r.seq > req.seq
+            and r.spec.resumable
+            and r.generated < r.hard_max
+            and r.cls.priority >= priority
         )
 
     def _newer(self, req: Request) -> list[Request]:
-        """Live requests admitted after ``req`` that may be paused, in the order they give way:
-        those still waiting for their first token last (a pause would make it late; one that
-        has had it loses only pace), then the most tokens per pause first: the length a stream
-        is expected to reach (:meth:`~kvbudget.core.scheduler.Scheduler.expected_length`) over
-        the pauses it will then have had. A pause is one long gap in a stream; spread over many
-        tokens it costs the stream's pace little, over few it breaks it (a stream of 50 tokens
-        paused once has 2 % of its gaps over the floor), and a second pause of one stream costs
-        it twice. Equal ones: the newest first, as vLLM preempts."""
+        """Live requests admitted after ``req`` that may be paused for it (none more important
+        than it: :meth:`_pausable_after`), in the order they give way: those still waiting for
+        their first token last (a pause would make it late; one that has had it loses only
+        pace), then the most tokens per pause first: the length a stream is expected to reach
+        (:meth:`~kvbudget.core.scheduler.Scheduler.expected_length`) over the pauses it will
+        then have had. A pause is one long gap in a stream; spread over many tokens it costs the
+        stream's pace little, over few it breaks it (a stream of 50 tokens paused once has 2 %
+        of its gaps over the floor), and a second pause of one stream costs it twice. Equal
+        ones: the newest first, as vLLM preempts."""
         s = self._s
         return sorted(
             self._pausable_after(req),
@@ -327,12 +333,18 @@ class CalibratedPolicy(BasePolicy):
             # as vLLM: one admitted after it gives way, this one if it is the newest; asked
             # ahead, not while every newer one still awaits its first token (a pause would make
             # it late): at the boundary, a block of tokens later, they have had it
-            # (whether one could give way, not which: choose_victims orders them)
-            had_first_token = [r.first_token_at is not None for r in self._pausable_after(req)]
-            if had_first_token:
+            # (whether one could give way, not which: choose_victims orders them); a stream more
+            # important than it never gives way for its growth: where every newer one is, it
+            # gives way itself, as vLLM's priority scheduling preempts the least important
+            newer = list(self._pausable_after(req, any_priority=True))
+            if newer:
                 if req.state is State.EXTENDING or (
-                    any(had_first_token) and not self._released_before_boundary(req)
+                    any(r.first_token_at is not None for r in newer)
+                    and not self._released_before_boundary(req)
                 ):
+                    priority = req.cls.priority
+                    if all(r.cls.priority < priority for r in newer):
+                        return Blocked.PREEMPT_SELF
                     return Blocked.PREEMPT_OTHERS
                 return Blocked.WAIT
             if req.spec.on_exhausted == "continue":
