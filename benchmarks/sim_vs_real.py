@@ -51,13 +51,17 @@ A run of several repeats is simulated once per repeat, with that repeat's send t
 as the medians the real side reports. The abandonment workload is serve_bench's own
 :func:`serve_bench.abandon_plan` (same seed, same vocabulary), and a leaving client disconnects
 once it has received its planned number of tokens
-(``SimRequest.abandon_after_tokens``). Every request asks for exactly its output length
-(``max_tokens`` = length, ``ignore_eos``).
+(``SimRequest.abandon_after_tokens``). The mixed workload is serve_bench's own
+:func:`serve_bench.mixed_plan`: its backlog asks for the ``batch`` class, as its header does
+(vLLM's baseline, like vLLM's server, does not look at the class), and a batch request is good
+when it completes within ``serve_bench.BATCH_DEADLINE_S``. Every request asks for exactly its
+output length (``max_tokens`` = length, ``ignore_eos``).
 
 Servers in the simulator: ``vllm`` is the ``reserve-current`` baseline (vLLM v1 FCFS, no queue cap,
 victims freed at once); ``kvbudget`` is the example's policy (``--policy``, default ``calibrated``,
 with ``--first-token-pause-share`` where the run's ``--example-arg`` set it)
-with the example's service classes (``kvbudget.DEFAULT_CLASSES``: every request is ``interactive``:
+with the example's service classes (``kvbudget.DEFAULT_CLASSES``: every request is ``interactive``
+but the mixed workload's backlog:
 TTFT objective 2 s, admission wait at most 2 s, latency floor 200 ms) and the default
 ``SchedulerConfig``. The engine is a fitted profile (``--engine-profile``): ``run`` (the default) is
 the profile the kvbudget server fitted from its own engine steps over the real run (serve_bench
@@ -235,6 +239,7 @@ class Planned:
     shared_prefix_tokens: int = 0
     system_prompt: int | None = None  # which shared prefix (None: no shared prefix)
     leave_after: int | None = None
+    service_class: str = "interactive"  # (mixed: "batch" for its backlog)
 
 
 @dataclass(frozen=True)
@@ -399,6 +404,19 @@ def abandon_workload_plan(n: int, seed: int, tok: TokenizerInfo) -> list[Planned
     ]
 
 
+def mixed_workload_plan(n: int, seed: int, tok: TokenizerInfo) -> list[Planned]:
+    """serve_bench's mixed workload (its own :func:`serve_bench.mixed_plan`): a batch backlog,
+    then interactive callers."""
+    plan = sb.mixed_plan(n, seed, "sim-", tok.vocab_size, tok.special_ids)
+    return [
+        Planned(
+            index=i, arrival_s=at, prompt_tokens=rec.prompt_len, output_tokens=rec.output_len,
+            service_class=rec.service_class,
+        )
+        for i, (at, rec, _payload) in enumerate(plan)
+    ]
+
+
 def plan_workload(
     name: str, seed: int, tok: TokenizerInfo, scale: float = 1.0,
     bench_args: Sequence[str] = (),
@@ -409,13 +427,16 @@ def plan_workload(
     n = sb.num_prompts(workload, scale)
     if workload.kind == "abandon":
         return abandon_workload_plan(n, seed, tok)
+    if workload.kind == "mixed":
+        return mixed_workload_plan(n, seed, tok)
     if workload.dataset == "prefix_repetition":
         return vllm_prefix_repetition_plan(workload, n, seed, tok)
     return vllm_random_plan(workload, n, seed, tok)
 
 
 def scenario_for() -> Scenario:
-    """The overlay: every request interactive (the example's default class, no headers sent),
+    """The overlay: every request interactive (the example's default class, no headers sent;
+    the mixed workload's backlog is batch, as its header asks: :func:`sim_requests`),
     one tenant, the engine's context, the SLO of serve_bench and no overlay abandonment."""
     return Scenario(
         interactive_share=1.0,
@@ -427,6 +448,7 @@ def scenario_for() -> Scenario:
         model=sb.SERVED_MODEL,
         ttft_slo_s=sb.SLO_TTFT_S,
         itl_floor_s=0.2,  # kvbudget.INTERACTIVE.latency_floor_s, the example's class
+        batch_deadline_s=sb.BATCH_DEADLINE_S,  # kvbudget.BATCH.default_deadline_s (mixed)
         abandon_share=0.0,
         durable_share=0.0,
     )
@@ -443,7 +465,7 @@ def sim_requests(plan: Sequence[Planned]) -> tuple[Scenario, tuple[SimRequest, .
     )
     out = []
     for p, r in zip(plan, apply_scenario(workload, scenario), strict=True):
-        spec = attrs.evolve(r.spec, max_tokens=p.output_tokens)
+        spec = attrs.evolve(r.spec, max_tokens=p.output_tokens, service_class=p.service_class)
         shared = p.shared_prefix_tokens
         out.append(
             attrs.evolve(
@@ -497,6 +519,9 @@ def classify_sim(rec: RequestRecord, client: ClientView = _NO_STALLS) -> str:
     ttft, tpot = client.timing(rec)
     if ttft is None or tpot is None:
         return "failed"
+    if rec.service_class == "batch":
+        done = rec.finished_s if rec.finished_s is not None else rec.last_token_s
+        return "good" if done - rec.arrival_s <= sb.BATCH_DEADLINE_S else "late"
     if not sb.in_time(ttft, tpot):
         return "late"
     return "good"

@@ -359,3 +359,41 @@ def test_requests_sent_is_what_vllms_client_sent() -> None:
     assert sb.requests_sent({}, 160) == 160  # a result without counts: the number asked
     with pytest.raises(RuntimeError, match="161 requests for 160"):
         sb.requests_sent({"completed": 161, "failed": 0}, 160)
+
+
+def test_mixed_plan_sends_a_batch_backlog_first_then_interactive_callers() -> None:
+    plan = sb.mixed_plan(120, 3, "m-", 1024, range(5))
+    again = sb.mixed_plan(120, 3, "m-", 1024, range(5))
+    assert [(t, r.prompt, r.output_len, r.service_class) for t, r, _ in plan] == [
+        (t, r.prompt, r.output_len, r.service_class) for t, r, _ in again
+    ]
+    batch = [(t, r) for t, r, _ in plan if r.service_class == "batch"]
+    inter = [(t, r) for t, r, _ in plan if r.service_class == "interactive"]
+    assert len(batch) == 40 and len(inter) == 80
+    assert [t for t, _ in batch] == pytest.approx([0.05 * i for i in range(40)])
+    assert all(r.output_len == 500 for _, r in batch)
+    assert all(100 <= r.output_len <= 200 for _, r in inter)
+    assert [t for t, _, _ in plan] == sorted(t for t, _, _ in plan)
+    assert [r.request_id for _, r, _ in plan] == [f"m-{i}" for i in range(120)]
+    for _, rec, payload in plan:
+        assert len(rec.prompt) == 256 and min(rec.prompt) >= 5
+        assert payload["max_tokens"] == rec.output_len and payload["prompt"] == rec.prompt
+
+
+def test_a_batch_request_is_good_within_its_deadline_whatever_its_first_token() -> None:
+    slow_start = {"ttft": 30.0, "latency": 60.0, "start": 0.0, "end": 60.0}
+    assert sb.classify(_rec(**slow_start))[0] == "late"  # interactive: TTFT over 2 s
+    assert sb.classify(_rec(service_class="batch", **slow_start))[0] == "good"
+    over = {**slow_start, "end": sb.BATCH_DEADLINE_S + 1.0}
+    assert sb.classify(_rec(service_class="batch", **over))[0] == "late"
+    recs = [
+        _rec(outcome="good", service_class="batch", start=0.0, end=50.0),
+        _rec(outcome="late", service_class="batch", start=0.0, end=700.0),
+        _rec(outcome="good", ttft=0.5),
+        _rec(outcome="rejected", ttft=None),
+    ]
+    s = sb.summarize(recs, 10.0)
+    assert (s["sent_batch"], s["good_batch"], s["good_interactive"]) == (2, 1, 1)
+    assert s["rejected_interactive"] == 1 and s["batch_latency_max_s"] == 700.0
+    assert s["interactive_ttft_p50_s"] == 0.5
+    assert "sent_batch" not in sb.summarize(recs[2:], 10.0)

@@ -680,3 +680,21 @@ def test_only_vllms_server_is_paced_by_default_and_each_run_says_its_scale(
         assert (burst["vllm"]["sim"]["step_scale"] != 1.0) is vllm_scaled
         assert burst["kvbudget"]["sim"]["step_scale"] == 1.0
         assert out["meta"]["paced"] == (["vllm"] if vllm_scaled else [])
+
+
+def test_mixed_is_serve_benchs_own_plan_and_its_backlog_is_batch() -> None:
+    plan = svr.plan_workload("mixed", 0, TOK)
+    theirs = sb.mixed_plan(120, 0, "x-", TOK.vocab_size, TOK.special_ids)
+    assert [(p.arrival_s, p.prompt_tokens, p.output_tokens, p.service_class) for p in plan] == [
+        (at, r.prompt_len, r.output_len, r.service_class) for at, r, _ in theirs
+    ]
+    scenario, reqs = svr.sim_requests(plan)
+    assert scenario.batch_deadline_s == sb.BATCH_DEADLINE_S
+    assert [r.spec.service_class for r in reqs] == [p.service_class for p in plan]
+    assert sum(r.spec.service_class == "batch" for r in reqs) == 40
+    # a batch request is good when it completes within its deadline, whatever its first token
+    slow = {"service_class": "batch", "first_token_s": 40.0, "last_token_s": 90.0}
+    assert svr.classify_sim(_sim_rec(**slow, finished_s=90.0)) == "good"
+    late = {**slow, "last_token_s": 700.0, "finished_s": 700.0}
+    assert svr.classify_sim(_sim_rec(**late)) == "late"
+    assert svr.classify_sim(_sim_rec(first_token_s=40.0, last_token_s=90.0)) == "late"

@@ -1094,6 +1094,7 @@ class _Sim:
                 last_token_s=r.last_seen if r.last_seen >= 0 else None,
                 finished_s=r.finished_at if r.finished_at >= 0 else None,
                 longest_gap_s=r.longest_gap if r.interactive and r.gaps else None,
+                service_class=r.sim.spec.service_class,
             )
             for r in self.order
         )

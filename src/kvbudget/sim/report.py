@@ -79,6 +79,7 @@ class RequestRecord:
     ``first_token_s``/``last_token_s``/``finished_s`` are None when that never happened.
     ``longest_gap_s``: an interactive request's longest gap between two of its tokens, as the
     engine made them (a pause included; None: not interactive, or fewer than two tokens).
+    ``service_class``: the class it asked for.
     """
 
     request_id: str
@@ -91,6 +92,7 @@ class RequestRecord:
     last_token_s: float | None
     finished_s: float | None
     longest_gap_s: float | None = None
+    service_class: str = "interactive"
 
     @property
     def ttft_s(self) -> float | None:
