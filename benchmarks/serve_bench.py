@@ -1413,7 +1413,7 @@ def run_vllm_bench(
     return records, float(result["duration"]), view
 
 
-async def _abandon_client(
+async def _own_client(
     url: str, plan: list[tuple[float, Record, dict[str, Any]]]
 ) -> float:
     import aiohttp
@@ -1503,6 +1503,10 @@ def mixed_plan(
     return plan
 
 
+#: the plans of the workloads this module's own client sends, by ``Workload.kind``
+OWN_CLIENT_PLANS = {"abandon": abandon_plan, "mixed": mixed_plan}
+
+
 @dataclass
 class Run:
     """One workload run on one server."""
@@ -1544,11 +1548,12 @@ def run_workload(
     steal.start()
     with open(log_path, "w", encoding="utf-8") as log:
         try:
-            if workload.kind in ("abandon", "mixed"):
-                make_plan = abandon_plan if workload.kind == "abandon" else mixed_plan
-                plan = make_plan(n, seed, prefix, checker.vocab_size, checker.special_ids)
+            if workload.kind in OWN_CLIENT_PLANS:
+                plan = OWN_CLIENT_PLANS[workload.kind](
+                    n, seed, prefix, checker.vocab_size, checker.special_ids
+                )
                 url = f"{srv.base}/v1/completions"
-                run.duration = asyncio.run(_abandon_client(url, plan))
+                run.duration = asyncio.run(_own_client(url, plan))
                 run.records = [rec for _, rec, _ in plan]
             else:
                 run.records, run.duration, run.vllm_view = run_vllm_bench(

@@ -391,27 +391,15 @@ def vllm_prefix_repetition_plan(
     ]
 
 
-def abandon_workload_plan(n: int, seed: int, tok: TokenizerInfo) -> list[Planned]:
-    """serve_bench's abandonment workload (its own :func:`serve_bench.abandon_plan`): token-id
-    prompts (no BOS added), Poisson arrivals, and the clients that leave after k tokens."""
-    plan = sb.abandon_plan(n, seed, "sim-", tok.vocab_size, tok.special_ids)
+def own_client_plan(kind: str, n: int, seed: int, tok: TokenizerInfo) -> list[Planned]:
+    """serve_bench's workloads sent by its own client (``serve_bench.OWN_CLIENT_PLANS``, by
+    ``kind``): token-id prompts (no BOS added), the clients that leave after k tokens (abandon),
+    the batch backlog's class (mixed)."""
+    plan = sb.OWN_CLIENT_PLANS[kind](n, seed, "sim-", tok.vocab_size, tok.special_ids)
     return [
         Planned(
             index=i, arrival_s=at, prompt_tokens=rec.prompt_len, output_tokens=rec.output_len,
-            leave_after=rec.leave_after,
-        )
-        for i, (at, rec, _payload) in enumerate(plan)
-    ]
-
-
-def mixed_workload_plan(n: int, seed: int, tok: TokenizerInfo) -> list[Planned]:
-    """serve_bench's mixed workload (its own :func:`serve_bench.mixed_plan`): a batch backlog,
-    then interactive callers."""
-    plan = sb.mixed_plan(n, seed, "sim-", tok.vocab_size, tok.special_ids)
-    return [
-        Planned(
-            index=i, arrival_s=at, prompt_tokens=rec.prompt_len, output_tokens=rec.output_len,
-            service_class=rec.service_class,
+            leave_after=rec.leave_after, service_class=rec.service_class,
         )
         for i, (at, rec, _payload) in enumerate(plan)
     ]
@@ -425,10 +413,8 @@ def plan_workload(
     ``--num-prompts-scale``; ``bench_args`` as serve_bench's ``--bench-arg``)."""
     workload = sb.WORKLOADS[name].with_args(bench_args)
     n = sb.num_prompts(workload, scale)
-    if workload.kind == "abandon":
-        return abandon_workload_plan(n, seed, tok)
-    if workload.kind == "mixed":
-        return mixed_workload_plan(n, seed, tok)
+    if workload.kind in sb.OWN_CLIENT_PLANS:
+        return own_client_plan(workload.kind, n, seed, tok)
     if workload.dataset == "prefix_repetition":
         return vllm_prefix_repetition_plan(workload, n, seed, tok)
     return vllm_random_plan(workload, n, seed, tok)
