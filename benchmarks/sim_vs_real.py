@@ -391,11 +391,13 @@ def vllm_prefix_repetition_plan(
     ]
 
 
-def own_client_plan(kind: str, n: int, seed: int, tok: TokenizerInfo) -> list[Planned]:
+def own_client_plan(workload: sb.Workload, n: int, seed: int, tok: TokenizerInfo) -> list[Planned]:
     """serve_bench's workloads sent by its own client (``serve_bench.OWN_CLIENT_PLANS``, by
-    ``kind``): token-id prompts (no BOS added), the clients that leave after k tokens (abandon),
-    the batch backlog's class (mixed)."""
-    plan = sb.OWN_CLIENT_PLANS[kind](n, seed, "sim-", tok.vocab_size, tok.special_ids)
+    its kind, with its arguments): token-id prompts (no BOS added), the clients that leave after
+    k tokens (abandon), the batch backlog's class (mixed)."""
+    plan = sb.OWN_CLIENT_PLANS[workload.kind](
+        n, seed, "sim-", tok.vocab_size, tok.special_ids, workload.bench_args
+    )
     return [
         Planned(
             index=i, arrival_s=at, prompt_tokens=rec.prompt_len, output_tokens=rec.output_len,
@@ -414,7 +416,7 @@ def plan_workload(
     workload = sb.WORKLOADS[name].with_args(bench_args)
     n = sb.num_prompts(workload, scale)
     if workload.kind in sb.OWN_CLIENT_PLANS:
-        return own_client_plan(workload.kind, n, seed, tok)
+        return own_client_plan(workload, n, seed, tok)
     if workload.dataset == "prefix_repetition":
         return vllm_prefix_repetition_plan(workload, n, seed, tok)
     return vllm_random_plan(workload, n, seed, tok)

@@ -397,3 +397,37 @@ def test_a_batch_request_is_good_within_its_deadline_whatever_its_first_token() 
     assert s["rejected_interactive"] == 1 and s["batch_latency_max_s"] == 700.0
     assert s["interactive_ttft_p50_s"] == 0.5
     assert "sent_batch" not in sb.summarize(recs[2:], 10.0)
+
+
+def test_mixed_variants_come_from_their_own_bench_args_and_others_ignore_them() -> None:
+    extra = ["--mixed-batch-share=0.5", "--mixed-rate", "4", "--random-prefix-len=1024"]
+    mixed = sb.WORKLOADS["mixed"].with_args(extra)
+    assert mixed.bench_args == ("--mixed-batch-share", "0.5", "--mixed-rate", "4")
+    shared = sb.WORKLOADS["shared-prefix"].with_args(extra)
+    assert shared.bench_args[-2:] == ("--random-prefix-len", "1024")
+    assert not any(a.startswith("--mixed-") for a in shared.bench_args)
+    assert sb.WORKLOADS["abandon"].with_args(extra).bench_args == ()
+    shape = sb.mixed_shape(mixed.bench_args)
+    assert (shape.batch_share, shape.rate, shape.batch_output) == (0.5, 4.0, 500)
+    plan = sb.mixed_plan(40, 1, "v-", 1024, range(5), mixed.bench_args)
+    assert sum(r.service_class == "batch" for _, r, _ in plan) == 20
+    assert sb.mixed_shape(()) == sb.MixedShape()
+    more = sb.mixed_shape(["--mixed-batch-spacing", "0", "--mixed-output-min", "5",
+                           "--mixed-output-max", "5", "--mixed-prompt-len", "64"])
+    assert (more.batch_spacing_s, more.output_min, more.output_max, more.prompt_len) == (
+        0.0, 5, 5, 64
+    )
+    for bad, what in [
+        (["--mixed-colour", "1"], "unknown"),
+        (["--mixed-rate"], "needs a value"),
+        (["--mixed-batch-output", "1.5"], "not a int"),
+        (["--mixed-batch-share", "2"], "share"),
+        (["--mixed-rate", "0"], "rate"),
+        (["--mixed-rate", "nan"], "rate"),
+        (["--mixed-output-min", "300"], "output"),
+        (["--mixed-prompt-len", "2000"], "fit"),
+    ]:
+        with pytest.raises(ValueError, match=what):
+            sb.mixed_shape(bad)
+    with pytest.raises(ValueError, match="no arguments"):
+        sb.abandon_plan(4, 0, "a-", 1024, range(5), ["--mixed-rate", "4"])

@@ -698,3 +698,14 @@ def test_mixed_is_serve_benchs_own_plan_and_its_backlog_is_batch() -> None:
     late = {**slow, "last_token_s": 700.0, "finished_s": 700.0}
     assert svr.classify_sim(_sim_rec(**late)) == "late"
     assert svr.classify_sim(_sim_rec(first_token_s=40.0, last_token_s=90.0)) == "late"
+
+
+def test_a_mixed_variant_is_planned_as_serve_bench_sends_it() -> None:
+    args = ["--mixed-batch-share=0.5", "--mixed-rate=3", "--random-input-len=64"]
+    plan = svr.plan_workload("mixed", 2, TOK, 0.5, args)
+    mine = sb.WORKLOADS["mixed"].with_args(args).bench_args
+    theirs = sb.mixed_plan(60, 2, "x-", TOK.vocab_size, TOK.special_ids, mine)
+    assert [(p.arrival_s, p.output_tokens, p.service_class) for p in plan] == [
+        (at, r.output_len, r.service_class) for at, r, _ in theirs
+    ]
+    assert sum(p.service_class == "batch" for p in plan) == 30
