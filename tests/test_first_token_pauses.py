@@ -384,9 +384,13 @@ def test_growth_of_a_less_important_stream_never_pauses_a_more_important_one() -
     assert policy.cheap_to_pause(a) and a.boundary - a.generated > 3
     assert policy.on_blocked(a) is Blocked.PREEMPT_SELF
     assert policy.choose_victims(a, 1, [i]) == []
+    # a batch stream after it that still awaits its first token: asked ahead, "a" waits for it
+    # to have had it (the interactive stream's first token does not count: it will not give way)
     s.arrive("b", batch_mid, 0.0)
-    s.charge("b", 1, 0.01)
     b = s.requests["b"]
+    assert b.first_token_at is None
+    assert policy.on_blocked(a) is Blocked.WAIT
+    s.charge("b", 1, 0.01)
     assert s.expected_length(i) > s.expected_length(b)
     assert policy.on_blocked(a) is Blocked.PREEMPT_OTHERS
     assert policy.choose_victims(a, 1, [i, b]) == [b]

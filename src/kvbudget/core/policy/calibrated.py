@@ -338,14 +338,15 @@ class CalibratedPolicy(BasePolicy):
             # gives way itself, as vLLM's priority scheduling preempts the least important
             newer = list(self._pausable_after(req, any_priority=True))
             if newer:
+                priority = req.cls.priority
+                may_give_way = [r for r in newer if r.cls.priority >= priority]
+                # (the streams that would give way: those, else this one for all of them)
+                weighed = may_give_way or newer
                 if req.state is State.EXTENDING or (
-                    any(r.first_token_at is not None for r in newer)
+                    any(r.first_token_at is not None for r in weighed)
                     and not self._released_before_boundary(req)
                 ):
-                    priority = req.cls.priority
-                    if all(r.cls.priority < priority for r in newer):
-                        return Blocked.PREEMPT_SELF
-                    return Blocked.PREEMPT_OTHERS
+                    return Blocked.PREEMPT_OTHERS if may_give_way else Blocked.PREEMPT_SELF
                 return Blocked.WAIT
             if req.spec.on_exhausted == "continue":
                 return Blocked.CONTINUE if req.state is State.EXTENDING else Blocked.WAIT
