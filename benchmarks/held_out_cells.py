@@ -1,0 +1,174 @@
+"""The held-out table of docs/benchmarks.md ("Against the targets"), one cell per process.
+
+    .venv/bin/python benchmarks/held_out_cells.py [--traces DIR] [--policy P ...] [--jobs 2]
+        [--seed 0] [--cell SUBSTRING ...] [--limit N] [--json FILE]
+
+Cells (37): the tiny CPU engine's profile (``vllm-cpu-tiny``) at 0.6x, 1x, 2x and 4x and the
+default engine model (Llama-2-7B on an A100) at 1x and 4x, on the five synthetic traces of
+``benchmarks/synthetic_traces.py`` (written to ``--traces`` when absent there) and on the Azure
+conversation trace's first 3,000 requests (``--azure``; its cells are left out when the file is
+absent), and the built-in workload on the A100 model at 1x. A cell is named
+``TRACE/PROFILE/LOAD`` (``bursty/tiny/2``); ``--cell`` keeps the cells whose name contains one of
+the substrings given. Each cell runs what ``kvbudget simulate --trace T --rate-scale X
+[--engine-profile vllm-cpu-tiny] [--limit 3000] --seed S --policy P`` runs, through
+:mod:`kvbudget.cli`'s own builders; ``--limit N`` replays only each trace's first N requests (a
+quick look, not the table). Prints per cell and policy the good requests, goodput and
+interactive stalls; with calibrated and other policies, per cell the best other one and whether
+calibrated is >= it. Last line: one JSON object, ``{"cells": {NAME: {POLICY: {...}}}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SYNTHETIC = {
+    "bursty": "bursty.csv", "code": "code.csv", "longctx": "longctx.jsonl",
+    "reason": "reason.csv", "sessions": "sessions.jsonl",
+}
+TINY_LOADS = (0.6, 1.0, 2.0, 4.0)
+A100_LOADS = (1.0, 4.0)
+AZURE_LIMIT = 3000
+
+
+def cells() -> list[tuple[str, str, float]]:
+    """Every cell of the table, as (trace, profile, load), in the table's order."""
+    out = [(t, "tiny", x) for t in ("azure", *SYNTHETIC) for x in TINY_LOADS]
+    out += [("azure", "A100", x) for x in A100_LOADS] + [("builtin", "A100", 1.0)]
+    out += [(t, "A100", x) for t in SYNTHETIC for x in A100_LOADS]
+    return out
+
+
+def cell_name(cell: tuple[str, str, float]) -> str:
+    trace, profile, load = cell
+    return f"{trace}/{profile}/{load:g}"
+
+
+def simulate_argv(
+    cell: tuple[str, str, float], traces: Path, azure: Path, seed: int, limit: int | None
+) -> list[str]:
+    """The ``kvbudget simulate`` arguments of ``cell``."""
+    trace, profile, load = cell
+    argv = ["simulate"]
+    if trace == "azure":
+        argv += ["--trace", str(azure), "--limit", str(min(limit or AZURE_LIMIT, AZURE_LIMIT))]
+    elif trace != "builtin":
+        argv += ["--trace", str(traces / SYNTHETIC[trace])]
+        if limit is not None:
+            argv += ["--limit", str(limit)]
+    elif limit is not None:
+        argv += ["--limit", str(limit)]
+    argv += ["--rate-scale", f"{load:g}", "--seed", str(seed)]
+    if profile == "tiny":
+        argv += ["--engine-profile", "vllm-cpu-tiny"]
+    return argv
+
+
+def run_cell(argv: list[str], policy: str) -> dict[str, Any]:
+    """One cell under one policy: good, goodput (r/s) and interactive stalls."""
+    from kvbudget import cli
+    from kvbudget.core.config import SchedulerConfig
+    from kvbudget.sim.driver import simulate
+    from kvbudget.sim.scenario import apply_scenario
+
+    ns = cli.build_parser().parse_args(argv)
+    scenario = cli._scenario_from(ns, ns.rate_scale)
+    requests = apply_scenario(cli._workload_from(ns), scenario)
+    result = simulate(
+        requests, scenario, cli._engine_from(ns), policy, seed=ns.seed, config=SchedulerConfig()
+    )
+    return {"good": result.good, "goodput_rps": round(result.goodput_rps, 3),
+            "stalls": result.stalls}
+
+
+def verdicts(table: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per cell with calibrated and another policy: the best other one and whether calibrated
+    is >= it (by good requests)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, row in table.items():
+        others = {p: r for p, r in row.items() if p != "calibrated"}
+        if "calibrated" not in row or not others:
+            continue
+        best = max(others, key=lambda p: others[p]["good"])
+        out[name] = {"best_other": best, "ok": row["calibrated"]["good"] >= others[best]["good"]}
+    return out
+
+
+def _ensure_traces(traces: Path) -> None:
+    if all((traces / f).exists() for f in SYNTHETIC.values()):
+        return
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import synthetic_traces
+
+    argv, sys.argv = sys.argv, ["synthetic_traces.py", str(traces)]
+    try:
+        synthetic_traces.main()
+    finally:
+        sys.argv = argv
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--traces", type=Path, default=Path("/tmp/kvbudget-traces"),
+                   help="the synthetic traces' directory (written there when absent)")
+    p.add_argument("--azure", type=Path,
+                   default=ROOT.parent / "shared" / "traces" / "azure-llm-2023-conv.csv",
+                   help="the Azure conversation trace (its cells are left out when absent)")
+    p.add_argument("--policy", action="append", default=None,
+                   help="repeatable (default: calibrated)")
+    p.add_argument("--cell", action="append", default=None, metavar="SUBSTRING")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, help="each trace's first N requests")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--json", type=Path, default=None, help="also write the JSON here")
+    ns = p.parse_args(argv)
+    if ns.jobs < 1 or (ns.limit is not None and ns.limit < 1):
+        p.error("--jobs and --limit must be >= 1")
+    policies = list(dict.fromkeys(ns.policy or ["calibrated"]))
+    chosen = [
+        c for c in cells()
+        if (not ns.cell or any(s in cell_name(c) for s in ns.cell))
+        and (c[0] != "azure" or ns.azure.exists())
+    ]
+    if any(c[0] in SYNTHETIC for c in chosen):
+        _ensure_traces(ns.traces)
+    jobs = [(c, pol) for c in chosen for pol in policies]
+    with ProcessPoolExecutor(ns.jobs) as pool:
+        futures = [
+            pool.submit(run_cell, simulate_argv(c, ns.traces, ns.azure, ns.seed, ns.limit), pol)
+            for c, pol in jobs
+        ]
+        results = [f.result() for f in futures]
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for (c, pol), res in zip(jobs, results, strict=True):
+        table.setdefault(cell_name(c), {})[pol] = res
+    judged = verdicts(table)
+    for name, row in table.items():
+        figures = "  ".join(
+            f"{pol} {r['good']} ({r['goodput_rps']:.3f} r/s, {r['stalls']} stalls)"
+            for pol, r in row.items()
+        )
+        v = judged.get(name)
+        verdict = "" if v is None else (
+            f"  best other {v['best_other']}: {'ok' if v['ok'] else 'BELOW'}"
+        )
+        print(f"{name:20s} {figures}{verdict}")
+    if judged:
+        below = [n for n, v in judged.items() if not v["ok"]]
+        print(f"calibrated >= every other policy in {len(judged) - len(below)} of {len(judged)} "
+              f"cells" + (f"; below in {', '.join(below)}" if below else ""))
+    out = {"cells": table, "verdicts": judged, "seed": ns.seed, "limit": ns.limit}
+    line = json.dumps(out)
+    if ns.json is not None:
+        ns.json.write_text(line + "\n", encoding="utf-8")
+    print(line)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""benchmarks/held_out_cells.py: the held-out table's cells, the arguments each runs, the
+verdict per cell, and one real (short) run end to end."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from _bench_loader import load_benchmark
+
+hc = load_benchmark("held_out_cells")
+
+
+def test_the_table_has_its_37_cells() -> None:
+    names = [hc.cell_name(c) for c in hc.cells()]
+    assert len(names) == len(set(names)) == 37
+    assert names[0] == "azure/tiny/0.6" and "builtin/A100/1" in names
+    assert sum(n.endswith("/tiny/4") for n in names) == 6
+    assert {n.split("/")[1] for n in names} == {"tiny", "A100"}
+
+
+def test_each_cell_runs_what_kvbudget_simulate_runs(tmp_path: pathlib.Path) -> None:
+    azure = tmp_path / "azure.csv"
+    argv = hc.simulate_argv(("bursty", "tiny", 2.0), tmp_path, azure, 3, None)
+    assert argv == ["simulate", "--trace", str(tmp_path / "bursty.csv"), "--rate-scale", "2",
+                    "--seed", "3", "--engine-profile", "vllm-cpu-tiny"]
+    argv = hc.simulate_argv(("azure", "A100", 1.0), tmp_path, azure, 0, None)
+    assert argv[:5] == ["simulate", "--trace", str(azure), "--limit", "3000"]
+    assert "--engine-profile" not in argv
+    assert hc.simulate_argv(("azure", "A100", 4.0), tmp_path, azure, 0, 50)[4] == "50"
+    assert hc.simulate_argv(("builtin", "A100", 1.0), tmp_path, azure, 0, 80)[:3] == [
+        "simulate", "--limit", "80"
+    ]
+
+
+def test_the_verdict_is_calibrated_against_the_best_other_policy() -> None:
+    row = {"calibrated": {"good": 10}, "a": {"good": 9}, "b": {"good": 11}}
+    assert hc.verdicts({"x": row}) == {"x": {"best_other": "b", "ok": False}}
+    row["calibrated"]["good"] = 11
+    assert hc.verdicts({"x": row})["x"]["ok"] is True  # a tie is >=
+    assert hc.verdicts({"x": {"calibrated": {"good": 1}}}) == {}  # nothing to compare with
+
+
+def test_a_short_run_end_to_end(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = hc.main([
+        "--traces", str(tmp_path / "traces"), "--azure", str(tmp_path / "absent.csv"),
+        "--cell", "code/tiny/1", "--cell", "azure", "--limit", "150", "--jobs", "1",
+        "--policy", "calibrated", "--policy", "reserve-current",
+        "--json", str(tmp_path / "out.json"),
+    ])
+    assert (tmp_path / "traces" / "code.csv").exists()  # written when absent
+    assert list(out["cells"]) == ["code/tiny/1"]  # the Azure cells: no trace, left out
+    row = out["cells"]["code/tiny/1"]
+    assert set(row) == {"calibrated", "reserve-current"}
+    assert all(0 < r["good"] <= 150 for r in row.values())
+    assert out["verdicts"]["code/tiny/1"]["best_other"] == "reserve-current"
+    assert json.loads((tmp_path / "out.json").read_text()) == out
+    assert "of 1 cells" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        hc.main(["--jobs", "0"])
