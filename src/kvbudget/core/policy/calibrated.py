@@ -176,22 +176,24 @@ class CalibratedPolicy(BasePolicy):
     def acts_ahead(self, req: Request) -> bool:
         return self.cheap_to_pause(req)
 
-    def _pausable_after(self, req: Request, any_priority: bool = False) -> Iterator[Request]:
-        """Live requests admitted after ``req`` that may be paused for it: of no higher priority
-        than ``req`` unless ``any_priority`` (in no particular order)."""
-        priority = 0 if any_priority else req.cls.priority  # (0: the most important)
+    def _pausable_after(self, req: Request) -> Iterator[Request]:
+        """Live requests admitted after ``req`` that may be paused, of any class (in no
+        particular order); those that give way for ``req``'s growth are the ones of no higher
+        priority than it (:meth:`_gives_way_for_growth`)."""
         return (
             r
             for r in self._s.live.values()
-            if r.seq > req.seq
-            and r.spec.resumable
-            and r.generated < r.hard_max
-            and r.cls.priority >= priority
+            if r.seq > req.seq and r.spec.resumable and r.generated < r.hard_max
         )
+
+    @staticmethod
+    def _gives_way_for_growth(victim: Request, req: Request) -> bool:
+        """A stream more important than ``req`` never gives way for its growth."""
+        return victim.cls.priority >= req.cls.priority
 
     def _newer(self, req: Request) -> list[Request]:
         """Live requests admitted after ``req`` that may be paused for it (none more important
-        than it: :meth:`_pausable_after`), in the order they give way: those still waiting for
+        than it: :meth:`_gives_way_for_growth`), in the order they give way: those still waiting for
         their first token last (a pause would make it late; one that has had it loses only
         pace), then the most tokens per pause first: the length a stream is expected to reach
         (:meth:`~kvbudget.core.scheduler.Scheduler.expected_length`) over the pauses it will
@@ -201,7 +203,7 @@ class CalibratedPolicy(BasePolicy):
         ones: the newest first, as vLLM preempts."""
         s = self._s
         return sorted(
-            self._pausable_after(req),
+            (r for r in self._pausable_after(req) if self._gives_way_for_growth(r, req)),
             key=lambda r: (
                 r.first_token_at is None,
                 -s.expected_length(r) / (1 + r.preemptions),
@@ -336,10 +338,9 @@ class CalibratedPolicy(BasePolicy):
             # (whether one could give way, not which: choose_victims orders them); a stream more
             # important than it never gives way for its growth: where every newer one is, it
             # gives way itself, as vLLM's priority scheduling preempts the least important
-            newer = list(self._pausable_after(req, any_priority=True))
+            newer = list(self._pausable_after(req))
             if newer:
-                priority = req.cls.priority
-                may_give_way = [r for r in newer if r.cls.priority >= priority]
+                may_give_way = [r for r in newer if self._gives_way_for_growth(r, req)]
                 # (the streams that would give way: those, else this one for all of them)
                 weighed = may_give_way or newer
                 if req.state is State.EXTENDING or (
