@@ -843,6 +843,36 @@ def test_text_held_back_for_an_unfinished_character_goes_out_at_the_end(env: _En
         assert text == want, (split, text, want)
 
 
+def test_resumed_text_is_decoded_as_vllms_detokenizer_decodes_it() -> None:
+    """A resumed segment's text is the adapter's own decoding (_SeamText), and it must read as
+    vLLM's fast detokenizer (tokenizers' DecodeStream) reads the same tokens: with a tokenizer
+    whose ``clean_up_tokenization_spaces`` is on (a WordPiece-style clean-up, forced here on
+    the tiny BPE tokenizer), the Python ``decode`` would turn " ," into "," in the resumed
+    part only. Resumed after every token: the caller's text is vLLM's up to the pause and the
+    seam's after it."""
+    import transformers
+    from tokenizers.decoders import DecodeStream
+
+    from kvbudget.engines.vllm.adapter import _SeamText
+
+    tok = transformers.AutoTokenizer.from_pretrained(
+        str(vllm_support.tiny_model_dir()), clean_up_tokenization_spaces=True
+    )
+    tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    ids = tok.encode("Well , it is fine . Is n't it ? Yes , it 's fine .", add_special_tokens=False)
+    stream = DecodeStream(skip_special_tokens=True)
+    pieces = [stream.step(tok._tokenizer, t) or "" for t in ids]
+    want = "".join(pieces)
+    assert tok.decode(ids, skip_special_tokens=True) != want  # (the clean-up is on)
+    for k in range(1, len(ids)):
+        sent = "".join(pieces[:k])
+        seam = _SeamText(tok, ids[:k], sent, True)
+        text = sent
+        for j in range(k + 1, len(ids) + 1):
+            text += seam.delta(ids[:j], final=j == len(ids))
+        assert text == want, (k, text, want)
+
+
 def test_stop_string_after_a_prompt_ending_mid_character(env: _Env) -> None:
     """The adapter's own decoding must not switch vLLM's detokenizer off for a request with
     stop strings (vLLM would then never match them and run on past the stop): a prompt ending
