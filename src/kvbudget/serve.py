@@ -34,7 +34,7 @@ import math
 import os
 import pathlib
 import sys
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Coroutine, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -556,6 +556,18 @@ async def serve(args: argparse.Namespace) -> None:
         sock.close()
 
 
+def _run(server: Coroutine[Any, Any, None]) -> None:
+    """Run ``server`` on uvloop where it is installed (vLLM depends on it), as ``vllm serve``
+    runs vLLM's app, else on asyncio's own loop: the same app on the same event loop as the
+    server it replaces."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(server)
+        return
+    uvloop.run(server)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``kvbudget serve MODEL [vllm serve options] [--kvbudget-policy] [--kvbudget-classes]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -566,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
 
         validate_parsed_serve_args(args)
-        asyncio.run(serve(args))
+        _run(serve(args))
     except KvBudgetError as exc:
         print(f"kvbudget serve: {exc}", file=sys.stderr)
         return 2
