@@ -427,15 +427,8 @@ def _is_index(value: Any) -> bool:
 
 def _ends_mid_character(tokenizer: Any, prompt_ids: list[int]) -> bool:
     """Does the prompt's text end on an unfinished character (its last tokens decode to a
-    replacement character)? A fast tokenizer's own decoder answers without HF's wrapper."""
-    tail = prompt_ids[-8:]
-    raw: Any = getattr(tokenizer, "_tokenizer", None)
-    text = (
-        raw.decode(tail, skip_special_tokens=False)  # (as HF's decode, by default)
-        if _is_rust_tokenizer(raw)
-        else tokenizer.decode(tail)
-    )
-    return str(text).endswith("\ufffd")
+    replacement character)?"""
+    return _decoder(tokenizer, False)(prompt_ids[-8:]).endswith("\ufffd")
 
 
 def _token_renderer(engine: Any) -> tuple[Any, Callable[[Any, Any], Any], Any] | None:
@@ -473,7 +466,9 @@ class _StreamText:
     picking up from the text sent so far.
     """
 
-    __slots__ = ("_done", "_fallback", "_raw", "_read", "_sent", "_skip", "_step", "_tokenizer")
+    __slots__ = (
+        "_decode", "_done", "_fallback", "_raw", "_read", "_sent", "_skip", "_step", "_tokenizer",
+    )
 
     def __init__(self, tokenizer: Any, raw: Any, skip_special: bool) -> None:
         from tokenizers.decoders import DecodeStream
@@ -481,6 +476,7 @@ class _StreamText:
         self._tokenizer = tokenizer
         self._raw = raw
         self._skip = skip_special
+        self._decode = _decoder(tokenizer, skip_special)
         self._step = DecodeStream(skip_special_tokens=skip_special).step
         self._read = 0  # tokens stepped
         self._done = 0  # tokens whose text has gone out (the stream holds none of them back)
@@ -511,8 +507,8 @@ class _StreamText:
             # what the stream still holds back (complete characters before an unfinished
             # one): decoded with a few tokens of context, as the stream itself decodes
             start = max(0, done - 6)
-            head = str(raw.decode(ids[start:done], skip_special_tokens=self._skip))
-            tail = str(raw.decode(ids[start:], skip_special_tokens=self._skip)).rstrip("\ufffd")
+            head = self._decode(ids[start:done])
+            tail = self._decode(ids[start:]).rstrip("\ufffd")
             if len(tail) > len(head) and tail.startswith(head):
                 text += tail[len(head) :]
         if text:
