@@ -1,7 +1,7 @@
 """Twins over the real engine: requests sharing a long prompt prefix, bare vLLM against kvbudget.
 
     PYTHONPATH=src:tests .venv/bin/python benchmarks/prefix_twins.py [--repeat 3] \
-        [--requests 48] [--prefix 640] [--own 5] [--out 40] [--blocks 129]
+        [--requests 48] [--prefix 640] [--own 5] [--out 40] [--blocks 129] [--settle 0.3]
 
 Issue 12's case: ``--requests`` requests submitted at once, each a shared ``--prefix``-token prefix
 (fresh random tokens per run, so no run finds another's blocks cached) plus ``--own`` tokens of its
@@ -153,6 +153,9 @@ async def _main(ns: argparse.Namespace) -> dict[str, Any]:
                     engine_preemptions=peak.preempted, peak_running=peak.running, peak_kv=peak.kv
                 )
                 row[server] = fig
+                # each wave starts from an idle engine: the last one's aborts, confirmations
+                # and stats records are not billed to the next
+                await asyncio.sleep(ns.settle)
                 print(
                     f"run {rep + 1} {server:9s} wall {fig['wall_s']:.3f} s  TTFT p50 "
                     f"{fig['ttft_p50_s']:.3f} s  front-end CPU {fig['frontend_cpu_s']:.3f} s  "
@@ -194,6 +197,8 @@ def main() -> None:
     p.add_argument("--out", type=int, default=40)
     p.add_argument("--blocks", type=int, default=129)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--settle", type=float, default=0.3,
+                   help="seconds of idle engine between waves (default 0.3)")
     p.add_argument("--shared-budget", action="store_true",
                    help="one BudgetedEngine for every run (as a server keeps one), not one per run")
     ns = p.parse_args()
