@@ -388,9 +388,9 @@ class _SeamText:
 
 def _decoder(tokenizer: Any, skip_special: bool) -> Callable[[list[int]], str]:
     """The text of a list of token ids, as vLLM's fast detokenizer makes it: a fast
-    tokenizer's own (Rust) decoder, without the Python wrapper's tokenization clean-up, which
-    vLLM's incremental detokenizer does not apply either (and which costs ~30 us a call, twice
-    a token in a resumed stream); other tokenizers through their ``decode``."""
+    tokenizer's own (Rust) decoder, without the Python wrapper (~30 us a call, twice a token in
+    a resumed stream) or its tokenization clean-up, which vLLM's incremental detokenizer does
+    not apply either; other tokenizers through their ``decode``."""
     raw: Any = getattr(tokenizer, "_tokenizer", None)
     if _is_rust_tokenizer(raw):
         raw_decode = raw.decode
