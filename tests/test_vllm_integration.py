@@ -873,6 +873,44 @@ def test_resumed_text_is_decoded_as_vllms_detokenizer_decodes_it() -> None:
         assert text == want, (k, text, want)
 
 
+def test_resumed_text_goes_on_as_vllms_detokenizer_would_have() -> None:
+    """A resumed segment's text is vLLM's fast detokenizer (tokenizers' DecodeStream primed with
+    the prompt) replayed over the output so far and stepped on: the caller reads exactly the
+    text vLLM would have streamed without the pause, in random bytes too (invalid UTF-8, whose
+    replacement characters depend on how the bytes are windowed). Resumed after k tokens, with
+    the caller sent vLLM's text up to there, or short of the last piece (text dropped with
+    tokens past the grant: owed, and sent first); a caller whose text is not a prefix of the
+    replay gets the window decoding (_SeamText)."""
+    import random
+
+    import transformers
+    from tokenizers.decoders import DecodeStream
+
+    from kvbudget.engines.vllm.adapter import _SeamText, _StreamText
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(vllm_support.tiny_model_dir()))
+    raw = tok._tokenizer
+    partial = [t for t in range(5, 1000) if tok.decode([t]).endswith("\ufffd")]
+    rng = random.Random(3)
+    for _ in range(25):
+        prompt = [rng.randrange(5, 1000) for _ in range(24)]
+        ids = [
+            rng.choice(partial) if rng.random() < 0.4 else rng.randrange(5, 1000)
+            for _ in range(40)
+        ]
+        stream = DecodeStream(ids=prompt, skip_special_tokens=True)
+        pieces = [stream.step(raw, t) or "" for t in ids]  # vLLM's text, token by token
+        want = "".join(pieces)
+        for k in (1, 2, 7, 20, 39):
+            for sent in ("".join(pieces[:k]), "".join(pieces[: k - 1])):
+                text = _StreamText.resumed(tok, raw, True, prompt, ids[:k], sent)
+                assert isinstance(text, _StreamText)
+                got = sent + "".join(text.delta(ids[:j]) for j in range(k + 1, len(ids) + 1))
+                assert got == want, (k, got, want)
+        other = _StreamText.resumed(tok, raw, True, prompt, ids[:7], "not what vLLM sent")
+        assert isinstance(other, _SeamText)
+
+
 def test_stop_string_after_a_prompt_ending_mid_character(env: _Env) -> None:
     """The adapter's own decoding must not switch vLLM's detokenizer off for a request with
     stop strings (vLLM would then never match them and run on past the stop): a prompt ending

@@ -48,7 +48,7 @@ import platform
 import time
 import uuid
 import weakref
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -455,40 +455,83 @@ def _is_rust_tokenizer(raw: Any) -> bool:
 
 
 class _StreamText:
-    """The text of a first segment's tokens alone, when the prompt ends mid-character.
+    """The text of a segment's tokens, stepped through tokens' ``DecodeStream`` (in Rust) as
+    vLLM's fast detokenizer steps it: one step a token, where :class:`_SeamText` decodes a
+    window of tokens twice.
 
-    Incremental, as vLLM's fast detokenizer does it (tokenizers' ``DecodeStream``, in Rust), but
-    not primed with the prompt, so the prompt's unfinished character never comes back; what it
-    holds back for an unfinished character goes out with the final tokens (as
-    :class:`_SeamText`). :class:`_SeamText` decodes a window of tokens twice per token; this
-    one steps the stream once. Should the stream fail (tokenizers raises on an
-    output that is not valid UTF-8 from the start), it hands on to a :class:`_SeamText`
-    picking up from the text sent so far.
+    A first segment whose prompt ends mid-character: the stream is not primed with the prompt,
+    so the prompt's unfinished character never comes back. A resumed segment: the stream is
+    primed as the first segment's was (with the prompt, as vLLM primes its own, or not at all
+    after such a prompt) and stepped through the output so far, so the text goes on exactly as
+    vLLM would have streamed it had the request never been paused; what the caller has not had
+    yet (held back, or dropped with tokens past the grant) goes out first. Where that replay
+    does not start with the text the caller was sent, :meth:`resumed` hands the segment to a
+    :class:`_SeamText`. What the stream holds back for an unfinished character goes out with
+    the final tokens (as :class:`_SeamText`). Should the stream fail (tokenizers raises on an
+    output that is not valid UTF-8), a :class:`_SeamText` picks up from the text sent so far.
     """
 
     __slots__ = (
-        "_decode", "_done", "_fallback", "_raw", "_read", "_sent", "_skip", "_step", "_tokenizer",
+        "_decode", "_done", "_fallback", "_owed", "_raw", "_read", "_sent", "_skip", "_step",
+        "_tokenizer",
     )
 
-    def __init__(self, tokenizer: Any, raw: Any, skip_special: bool) -> None:
+    def __init__(
+        self, tokenizer: Any, raw: Any, skip_special: bool, prime: Sequence[int] = ()
+    ) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._tokenizer = tokenizer
         self._raw = raw
         self._skip = skip_special
         self._decode = _decoder(tokenizer, skip_special)
-        self._step = DecodeStream(skip_special_tokens=skip_special).step
+        stream = (
+            DecodeStream(ids=list(prime), skip_special_tokens=skip_special)
+            if prime
+            else DecodeStream(skip_special_tokens=skip_special)
+        )
+        self._step = stream.step
         self._read = 0  # tokens stepped
         self._done = 0  # tokens whose text has gone out (the stream holds none of them back)
         self._sent: list[str] = []
+        self._owed = ""  # text of tokens stepped before this segment that the caller lacks
         self._fallback: _SeamText | None = None
+
+    @classmethod
+    def resumed(
+        cls,
+        tokenizer: Any,
+        raw: Any,
+        skip_special: bool,
+        prime: Sequence[int],
+        ids: list[int],
+        sent: str,
+    ) -> _StreamText | _SeamText:
+        """The text of a segment resumed after ``ids``, the caller having been sent ``sent``
+        (class docstring)."""
+        try:
+            text = cls(tokenizer, raw, skip_special, prime)
+            step, pieces, done = text._step, [], 0
+            for i, token in enumerate(ids):
+                piece = step(raw, token)
+                if piece:
+                    pieces.append(piece)
+                    done = i + 1
+        except Exception:  # (a tokenizers without primed streams, or bytes it cannot step)
+            return _SeamText(tokenizer, ids, sent, skip_special)
+        replay = "".join(pieces)
+        if not replay.startswith(sent):
+            return _SeamText(tokenizer, ids, sent, skip_special)
+        text._read, text._done, text._owed = len(ids), done, replay[len(sent) :]
+        text._sent.append(sent)
+        return text
 
     def delta(self, ids: list[int], final: bool = False) -> str:
         """As :meth:`_SeamText.delta`."""
         if self._fallback is not None:
             return self._fallback.delta(ids, final)
         raw, step, read = self._raw, self._step, self._read
-        pieces: list[str] = []
+        pieces: list[str] = [self._owed] if self._owed else []
         try:
             for i in range(read, len(ids)):
                 piece = step(raw, ids[i])
@@ -497,10 +540,12 @@ class _StreamText:
                     pieces.append(piece)
                     self._done = read
         except Exception:
-            sent = "".join(self._sent) + "".join(pieces)
-            self._fallback = _SeamText(self._tokenizer, ids[:read], sent, self._skip)
-            return "".join(pieces) + self._fallback.delta(ids, final)
+            # (from the text the caller has: the stream's pieces of this call are not sent)
+            sent = "".join(self._sent)
+            self._fallback = _SeamText(self._tokenizer, ids[: self._read], sent, self._skip)
+            return self._fallback.delta(ids, final)
         self._read = read
+        self._owed = ""
         text = "".join(pieces)
         done = self._done
         if final and done < len(ids):
@@ -662,12 +707,7 @@ class _RequestEngine:
             self.resubmits += 1
             self.owner._count(self.request_id, resubmissions=1, reprefill_tokens=len(self.ids))
         if (base or self.own_text) and self.tokenizer is not None:
-            skip = self.params.skip_special_tokens
-            raw = getattr(self.tokenizer, "_tokenizer", None)  # a fast tokenizer's own
-            if not base and _is_rust_tokenizer(raw):
-                seg.text = _StreamText(self.tokenizer, raw, skip)
-            else:
-                seg.text = _SeamText(self.tokenizer, self.ids, "".join(self.sent), skip)
+            seg.text = self._text_of(base)
         kwargs = self.engine_kwargs
         if base or k or self.prompt is None or isinstance(self.prompt, str):
             prompt: Any = {"prompt_token_ids": self.prompt_ids + self.ids}
@@ -706,6 +746,27 @@ class _RequestEngine:
         if early is not None:
             self._pushed(seg, early, count=False)
         return seg
+
+    def _text_of(self, base: int) -> _StreamText | _SeamText:
+        """The adapter's own decoding of a segment submitted after ``base`` output tokens
+        (resumed, or a first one after a prompt ending mid-character): a stream stepped as
+        vLLM's detokenizer steps it, where the tokenizer is a fast one and vLLM's own would
+        step it alike (it spaces special tokens apart: ``spaces_between_special_tokens``, or
+        skips them), else :class:`_SeamText`."""
+        params, tok = self.params, self.tokenizer
+        skip = params.skip_special_tokens
+        raw: Any = getattr(tok, "_tokenizer", None)  # a fast tokenizer's own
+        sent = "".join(self.sent)
+        if not _is_rust_tokenizer(raw):
+            return _SeamText(tok, self.ids, sent, skip)
+        if not base:
+            return _StreamText(tok, raw, skip)
+        if not (skip or getattr(params, "spaces_between_special_tokens", True)):
+            return _SeamText(tok, self.ids, sent, skip)
+        # (primed as the first segment was: by vLLM with the prompt, or not after one ending
+        # mid-character)
+        prime: Sequence[int] = () if self.own_text else self.prompt_ids
+        return _StreamText.resumed(tok, raw, skip, prime, self.ids, sent)
 
     def _sent(self, text: str, tokens: int) -> None:
         self.sent.append(text)
