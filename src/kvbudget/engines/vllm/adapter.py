@@ -509,42 +509,42 @@ class _StreamText:
     ) -> _StreamText | _SeamText:
         """The text of a segment resumed after ``ids``, the caller having been sent ``sent``
         (class docstring)."""
+        pieces: list[str] = []
         try:
             text = cls(tokenizer, raw, skip_special, prime)
-            step, pieces, done = text._step, [], 0
-            for i, token in enumerate(ids):
-                piece = step(raw, token)
-                if piece:
-                    pieces.append(piece)
-                    done = i + 1
+            text._step_through(ids, pieces)
         except Exception:  # (a tokenizers without primed streams, or bytes it cannot step)
             return _SeamText(tokenizer, ids, sent, skip_special)
         replay = "".join(pieces)
         if not replay.startswith(sent):
             return _SeamText(tokenizer, ids, sent, skip_special)
-        text._read, text._done, text._owed = len(ids), done, replay[len(sent) :]
+        text._owed = replay[len(sent) :]
         text._sent.append(sent)
         return text
+
+    def _step_through(self, ids: list[int], pieces: list[str]) -> None:
+        """Step the stream through the tokens of ``ids`` it has not read, appending the text it
+        lets out to ``pieces`` (tokenizers may raise: then nothing counts as read)."""
+        raw, step = self._raw, self._step
+        for i in range(self._read, len(ids)):
+            piece = step(raw, ids[i])
+            if piece:
+                pieces.append(piece)
+                self._done = i + 1
+        self._read = len(ids)
 
     def delta(self, ids: list[int], final: bool = False) -> str:
         """As :meth:`_SeamText.delta`."""
         if self._fallback is not None:
             return self._fallback.delta(ids, final)
-        raw, step, read = self._raw, self._step, self._read
         pieces: list[str] = [self._owed] if self._owed else []
         try:
-            for i in range(read, len(ids)):
-                piece = step(raw, ids[i])
-                read = i + 1
-                if piece:
-                    pieces.append(piece)
-                    self._done = read
+            self._step_through(ids, pieces)
         except Exception:
             # (from the text the caller has: the stream's pieces of this call are not sent)
             sent = "".join(self._sent)
             self._fallback = _SeamText(self._tokenizer, ids[: self._read], sent, self._skip)
             return self._fallback.delta(ids, final)
-        self._read = read
         self._owed = ""
         text = "".join(pieces)
         done = self._done
