@@ -35,6 +35,20 @@ def test_each_cell_runs_what_kvbudget_simulate_runs(tmp_path: pathlib.Path) -> N
     ]
 
 
+def test_the_real_mooncake_traces_add_ten_cells_when_given(tmp_path: pathlib.Path) -> None:
+    names = [hc.cell_name(c) for c in hc.cells(mooncake=True)]
+    assert len(names) == len(set(names)) == 47
+    assert names[37:39] == ["mooncake-conv/A100/0.05", "mooncake-conv/A100/0.1"]
+    argv = hc.simulate_argv(("mooncake-syn", "A100", 4.0), tmp_path, tmp_path / "a.csv", 0, None,
+                            tmp_path)
+    assert argv[:7] == ["simulate", "--trace", str(tmp_path / "synthetic_trace.jsonl"),
+                        "--limit", "1000", "--model-max-len", "131072"]
+    with pytest.raises(ValueError, match="Mooncake"):
+        hc.simulate_argv(("mooncake-syn", "A100", 4.0), tmp_path, tmp_path, 0, None)
+    with pytest.raises(SystemExit):  # a directory without the traces
+        hc.main(["--mooncake", str(tmp_path), "--cell", "mooncake"])
+
+
 def test_the_verdict_is_calibrated_against_the_best_other_policy() -> None:
     row = {"calibrated": {"good": 10}, "a": {"good": 9}, "b": {"good": 11}}
     assert hc.verdicts({"x": row}) == {"x": {"best_other": "b", "ok": False}}

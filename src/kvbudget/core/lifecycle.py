@@ -221,8 +221,9 @@ class Request:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         #: when the current grant was admitted; the prefill tokens queued in the engine ahead of
-        #: its first token then (its own included); its own prefill still pending (0 once its
-        #: first token came or it left)
+        #: its first token then, as far as the engine had not prefilled them yet
+        #: (``Forecast.queued_prefill``; its own included); its own prefill still pending (0 once
+        #: its first token came or it left)
         self.admitted_at = now
         self.prefill_ahead = 0
         self.prefill_pending = 0

@@ -148,6 +148,8 @@ class Scheduler:
         #: prompt (and recompute) tokens of admitted requests whose first token has not come yet:
         #: the prefill queued in the engine ahead of the next admission
         self.prefill_backlog = 0
+        #: (admitted at, prefill_ahead) of the newest admission that added to the backlog
+        self.newest_prefill: tuple[float, int] = (0.0, 0)
         self._seq = 0
         self.active = 0  # requests holding a live grant (admitted/running/extending)
         self.releasing = 0  # requests stopped, blocks held until the engine confirms
@@ -1363,8 +1365,12 @@ class Scheduler:
         req.admitted_at = now
         req.paused_for = False  # (served: a later pause of its own is a checkpoint's)
         req.prefill_pending = self.ledger.prefill_tokens(req)  # (shared blocks are cached)
+        # (what is left of the backlog, not all of it: a long prompt nearly prefilled is
+        # mostly behind this one already; see Forecast.queued_prefill)
+        req.prefill_ahead = self.forecast.queued_prefill() + req.prefill_pending
         self.prefill_backlog += req.prefill_pending
-        req.prefill_ahead = self.prefill_backlog
+        if req.prefill_pending:
+            self.newest_prefill = (now, req.prefill_ahead)
         self._set_ask_at(req, ahead)
         # (last_token_at is kept across a checkpoint: the caller's gap from the token before it
         # to the first after the resume is a stall like any other)
