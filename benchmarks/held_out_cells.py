@@ -1,13 +1,18 @@
 """The held-out table of docs/benchmarks.md ("Against the targets"), one cell per process.
 
     .venv/bin/python benchmarks/held_out_cells.py [--traces DIR] [--policy P ...] [--jobs 2]
-        [--seed 0] [--cell SUBSTRING ...] [--limit N] [--json FILE]
+        [--seed 0] [--cell SUBSTRING ...] [--limit N] [--json FILE] [--mooncake DIR]
 
 Cells (37): the tiny CPU engine's profile (``vllm-cpu-tiny``) at 0.6x, 1x, 2x and 4x and the
 default engine model (Llama-2-7B on an A100) at 1x and 4x, on the five synthetic traces of
 ``benchmarks/synthetic_traces.py`` (written to ``--traces`` when absent there) and on the Azure
 conversation trace's first 3,000 requests (``--azure``; its cells are left out when the file is
-absent), and the built-in workload on the A100 model at 1x. A cell is named
+absent), and the built-in workload on the A100 model at 1x. With ``--mooncake DIR`` (a checkout's
+``FAST25-release/traces`` of https://github.com/kvcache-ai/Mooncake: ``conversation_trace.jsonl``,
+``synthetic_trace.jsonl``, read where they are) ten more: each trace's first 1,000 requests on
+the A100 model at 0.05x, 0.1x, 0.25x, 1x and 4x, as a 128K-context model
+(``--model-max-len 131072``: their prompts run to 126K and 191K tokens; a longer one is cut to
+it). A cell is named
 ``TRACE/PROFILE/LOAD`` (``bursty/tiny/2``); ``--cell`` keeps the cells whose name contains one of
 the substrings given. Each cell runs what ``kvbudget simulate --trace T --rate-scale X
 [--engine-profile vllm-cpu-tiny] [--limit 3000] --seed S --policy P`` runs, through
@@ -34,13 +39,21 @@ SYNTHETIC = {
 TINY_LOADS = (0.6, 1.0, 2.0, 4.0)
 A100_LOADS = (1.0, 4.0)
 AZURE_LIMIT = 3000
+#: the real Mooncake traces (FAST'25 release), by cell name: file, loads, first N requests
+MOONCAKE = {"mooncake-conv": "conversation_trace.jsonl", "mooncake-syn": "synthetic_trace.jsonl"}
+MOONCAKE_LOADS = (0.05, 0.1, 0.25, 1.0, 4.0)
+MOONCAKE_LIMIT = 1000
+MOONCAKE_MODEL_MAX_LEN = 131072
 
 
-def cells() -> list[tuple[str, str, float]]:
-    """Every cell of the table, as (trace, profile, load), in the table's order."""
+def cells(mooncake: bool = False) -> list[tuple[str, str, float]]:
+    """Every cell of the table, as (trace, profile, load), in the table's order (``mooncake``:
+    and the real Mooncake traces' cells after them)."""
     out = [(t, "tiny", x) for t in ("azure", *SYNTHETIC) for x in TINY_LOADS]
     out += [("azure", "A100", x) for x in A100_LOADS] + [("builtin", "A100", 1.0)]
     out += [(t, "A100", x) for t in SYNTHETIC for x in A100_LOADS]
+    if mooncake:
+        out += [(t, "A100", x) for t in MOONCAKE for x in MOONCAKE_LOADS]
     return out
 
 
@@ -50,12 +63,19 @@ def cell_name(cell: tuple[str, str, float]) -> str:
 
 
 def simulate_argv(
-    cell: tuple[str, str, float], traces: Path, azure: Path, seed: int, limit: int | None
+    cell: tuple[str, str, float], traces: Path, azure: Path, seed: int, limit: int | None,
+    mooncake: Path | None = None,
 ) -> list[str]:
     """The ``kvbudget simulate`` arguments of ``cell``."""
     trace, profile, load = cell
     argv = ["simulate"]
-    if trace == "azure":
+    if trace in MOONCAKE:
+        if mooncake is None:
+            raise ValueError(f"cell {cell_name(cell)} needs the Mooncake traces' directory")
+        argv += ["--trace", str(mooncake / MOONCAKE[trace]),
+                 "--limit", str(min(limit or MOONCAKE_LIMIT, MOONCAKE_LIMIT)),
+                 "--model-max-len", str(MOONCAKE_MODEL_MAX_LEN)]
+    elif trace == "azure":
         argv += ["--trace", str(azure), "--limit", str(min(limit or AZURE_LIMIT, AZURE_LIMIT))]
     elif trace != "builtin":
         argv += ["--trace", str(traces / SYNTHETIC[trace])]
@@ -119,6 +139,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--azure", type=Path,
                    default=ROOT.parent / "shared" / "traces" / "azure-llm-2023-conv.csv",
                    help="the Azure conversation trace (its cells are left out when absent)")
+    p.add_argument("--mooncake", type=Path, default=None, metavar="DIR",
+                   help="the real Mooncake traces' directory (FAST25-release/traces): "
+                        "adds their cells")
     p.add_argument("--policy", action="append", default=None,
                    help="repeatable (default: calibrated)")
     p.add_argument("--cell", action="append", default=None, metavar="SUBSTRING")
@@ -129,9 +152,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ns = p.parse_args(argv)
     if ns.jobs < 1 or (ns.limit is not None and ns.limit < 1):
         p.error("--jobs and --limit must be >= 1")
+    if ns.mooncake is not None:
+        missing = [f for f in MOONCAKE.values() if not (ns.mooncake / f).exists()]
+        if missing:
+            p.error(f"--mooncake {ns.mooncake}: no {', '.join(missing)} there")
     policies = list(dict.fromkeys(ns.policy or ["calibrated"]))
     chosen = [
-        c for c in cells()
+        c for c in cells(ns.mooncake is not None)
         if (not ns.cell or any(s in cell_name(c) for s in ns.cell))
         and (c[0] != "azure" or ns.azure.exists())
     ]
@@ -140,7 +167,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     jobs = [(c, pol) for c in chosen for pol in policies]
     with ProcessPoolExecutor(ns.jobs) as pool:
         futures = [
-            pool.submit(run_cell, simulate_argv(c, ns.traces, ns.azure, ns.seed, ns.limit), pol)
+            pool.submit(
+                run_cell, simulate_argv(c, ns.traces, ns.azure, ns.seed, ns.limit, ns.mooncake),
+                pol,
+            )
             for c, pol in jobs
         ]
         results = [f.result() for f in futures]
