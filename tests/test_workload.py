@@ -19,6 +19,7 @@ from kvbudget.sim.workload import (
     Workload,
     percentile,
     read_azure_csv,
+    read_burstgpt_csv,
     read_mooncake_jsonl,
     read_trace,
     synthetic_workload,
@@ -230,6 +231,74 @@ def test_mooncake_malformed_lines_name_line_and_field(
 # --------------------------------------------------------------------------------------------
 # Dispatch and value types
 # --------------------------------------------------------------------------------------------
+
+
+BURST_HEADER = ("Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,"
+                "Total tokens,Log Type\n")
+
+
+def test_burstgpt_csv_reads_requests_and_skips_failures(tmp_path: Path) -> None:
+    p = write(
+        tmp_path,
+        "burst.csv",
+        BURST_HEADER
+        + "5,,1.2,ChatGPT,472,18,490,API log\n"
+        + "7.5,s1,3.0,GPT-4,1087,0,1087,Conversation log\n"  # a failure: skipped
+        + "\n"
+        + "9,s1,4.1,GPT-4,1200,230,1430,Conversation log\n"
+        + "12.25,,0.5,ChatGPT,0,12,12,API log\n",  # no prompt: skipped
+    )
+    for w in (read_burstgpt_csv(p), read_trace(p)):
+        assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in w.requests] == [
+            (0.0, 472, 18), (4.0, 1200, 230)
+        ]
+        assert w.rows_skipped == 2 and w.summary()["rows_skipped"] == 2
+        assert w.requests[0].hash_ids == ()
+    assert read_burstgpt_csv(p, limit=1).requests[-1].prompt_tokens == 472
+    # the first release's six columns, in another order, under another extension
+    q = write(tmp_path, "b.txt", "Model,Timestamp,Request tokens,Response tokens\n"
+                                 "ChatGPT,3,10,4\nChatGPT,1.5,20,5\n")
+    assert [(r.arrival_s, r.prompt_tokens) for r in read_trace(q).requests] == [
+        (0.0, 20), (1.5, 10)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("rows", "line", "column"),
+    [
+        (["x,ChatGPT,10,4"], 2, "Timestamp"),
+        (["-1,ChatGPT,10,4"], 2, "Timestamp"),
+        (["nan,ChatGPT,10,4"], 2, "Timestamp"),
+        (["inf,ChatGPT,10,4"], 2, "Timestamp"),
+        (["1,ChatGPT,1.5,4"], 2, "Request tokens"),
+        (["1,ChatGPT,10,4", "2,ChatGPT,10,-4"], 3, "Response tokens"),
+        (["1,ChatGPT,10"], 2, "Response tokens"),
+    ],
+)
+def test_burstgpt_csv_malformed_rows_name_line_and_column(
+    tmp_path: Path, rows: list[str], line: int, column: str
+) -> None:
+    p = write(tmp_path, "bad.csv",
+              "Timestamp,Model,Request tokens,Response tokens\n" + "\n".join(rows) + "\n")
+    with pytest.raises(TraceFormatError) as info:
+        read_burstgpt_csv(p)
+    assert (info.value.line, info.value.column) == (line, column)
+
+
+def test_burstgpt_csv_bad_header_empty_and_all_failed(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError) as info:
+        read_burstgpt_csv(write(tmp_path, "a.csv", "Timestamp,Request tokens\n1,2\n"))
+    assert info.value.column == "(header)"
+    with pytest.raises(TraceFormatError):
+        read_burstgpt_csv(write(tmp_path, "b.csv", ""))
+    with pytest.raises(TraceFormatError, match="at least one request row"):
+        read_burstgpt_csv(write(tmp_path, "c.csv", BURST_HEADER + "1,,1,ChatGPT,5,0,5,API log\n"))
+    with pytest.raises(InvalidInput):
+        read_burstgpt_csv(write(tmp_path, "d.csv", BURST_HEADER), limit=0)
+    # an empty .csv: the Azure reader's error, as before
+    with pytest.raises(TraceFormatError) as info:
+        read_trace(write(tmp_path, "e.csv", "\n"))
+    assert info.value.column == "(header)"
 
 
 def test_read_trace_sniffs_unknown_extensions(tmp_path: Path) -> None:

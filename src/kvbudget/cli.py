@@ -159,9 +159,10 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "simulate",
         help="replay a workload through every policy in virtual time and compare them",
         description=(
-            "Replay a trace (Azure CSV or Mooncake JSONL) or the built-in synthetic workload "
-            "through kvbudget's scheduler under each policy, against a simulated engine "
-            "(Llama-2-7B on one A100-80GB by default), and print one row per policy."
+            "Replay a trace (Azure CSV, BurstGPT CSV or Mooncake JSONL) or the built-in "
+            "synthetic workload through kvbudget's scheduler under each policy, against a "
+            "simulated engine (Llama-2-7B on one A100-80GB by default), and print one row "
+            "per policy."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

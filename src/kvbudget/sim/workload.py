@@ -48,6 +48,7 @@ __all__ = [
     "Workload",
     "percentile",
     "read_azure_csv",
+    "read_burstgpt_csv",
     "read_mooncake_jsonl",
     "read_trace",
     "synthetic_workload",
@@ -148,7 +149,8 @@ class Workload:
     """A named, arrival-sorted sequence of requests and where it came from.
 
     ``zero_outputs_clamped`` counts requests whose source said 0 generated tokens and that were
-    read as 1 (see the module docstring).
+    read as 1 (see the module docstring). ``rows_skipped`` counts rows of the source that were
+    not requests an engine ran (BurstGPT's failures, :func:`read_burstgpt_csv`).
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -157,6 +159,7 @@ class Workload:
     )
     source: str = ""
     zero_outputs_clamped: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    rows_skipped: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -192,6 +195,7 @@ class Workload:
             "total_prompt_tokens": self.total_prompt_tokens,
             "total_output_tokens": self.total_output_tokens,
             "zero_outputs_clamped": self.zero_outputs_clamped,
+            "rows_skipped": self.rows_skipped,
             "prompt_tokens": _describe([r.prompt_tokens for r in self.requests]),
             "output_tokens": _describe([r.output_tokens for r in self.requests]),
         }
@@ -278,6 +282,7 @@ def _finish(
     rows: list[tuple[float, int, int, tuple[int, ...]]],
     zero_outputs: int,
     last_line: int,
+    skipped: int = 0,
 ) -> Workload:
     if not rows:
         raise TraceFormatError(path, last_line, "(file)", "at least one request row", "no rows")
@@ -291,7 +296,8 @@ def _finish(
         for t, p, o, h in rows
     )
     return Workload(
-        name=name, requests=requests, source=str(path), zero_outputs_clamped=zero_outputs
+        name=name, requests=requests, source=str(path), zero_outputs_clamped=zero_outputs,
+        rows_skipped=skipped,
     )
 
 
@@ -360,6 +366,86 @@ def read_azure_csv(path: str | Path, *, limit: int | None = None) -> Workload:
             if limit is not None and len(rows) >= limit:
                 break
     return _finish(p.stem, p, rows, zero_outputs, no)
+
+
+_BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
+
+
+def read_burstgpt_csv(path: str | Path, *, limit: int | None = None) -> Workload:
+    """Read a BurstGPT trace CSV (https://github.com/HPMLL/BurstGPT: ``Timestamp``, ``Model``,
+    ``Request tokens``, ``Response tokens``, ``Total tokens``, ``Log Type``, and in later
+    releases ``Session ID`` and ``Elapsed time``).
+
+    ``Timestamp`` is seconds (a number) from the start of the trace's first day; arrivals are
+    seconds after the earliest row. Columns are found by name (surrounding spaces ignored), in
+    any order; the ones not named above are ignored. BurstGPT's files keep failed calls, whose
+    ``Response tokens`` are 0: they are skipped (nothing was generated, and the request's true
+    length is unknown), as is a row with 0 ``Request tokens``, and counted in
+    :attr:`Workload.rows_skipped`. ``limit`` keeps only the first ``limit`` requests read. A
+    malformed row raises :class:`TraceFormatError` naming the line, column and what was
+    expected. There is no prefix data: combine with the scenario's system prompts for that.
+    """
+    _check_limit(limit)
+    p = Path(path)
+    rows: list[tuple[float, int, int, tuple[int, ...]]] = []
+    skipped = 0
+    with p.open(newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        try:
+            header = next(reader)
+        except StopIteration:
+            raise TraceFormatError(
+                p, 1, "(header)", ",".join(_BURSTGPT_COLUMNS), "an empty file"
+            ) from None
+        names = [h.strip().lstrip("\ufeff") for h in header]
+        try:
+            i_ts, i_req, i_resp = (names.index(c) for c in _BURSTGPT_COLUMNS)
+        except ValueError:
+            raise TraceFormatError(
+                p, 1, "(header)", "a header naming " + ",".join(_BURSTGPT_COLUMNS),
+                ",".join(header),
+            ) from None
+        width = max(i_ts, i_req, i_resp) + 1
+        no = 1
+        for row in reader:
+            no = reader.line_num
+            if not row or (len(row) == 1 and not row[0].strip()):
+                continue
+            if len(row) < width:
+                missing = next(
+                    c
+                    for c, i in zip(_BURSTGPT_COLUMNS, (i_ts, i_req, i_resp), strict=True)
+                    if i >= len(row)
+                )
+                raise TraceFormatError(
+                    p, no, missing, f"{len(names)} comma-separated fields", ",".join(row)
+                )
+            text = row[i_ts].strip()
+            try:
+                ts = float(text)
+            except ValueError:
+                ts = math.nan
+            if not (math.isfinite(ts) and ts >= 0.0):
+                raise TraceFormatError(
+                    p, no, "Timestamp", "a finite number of seconds >= 0", row[i_ts]
+                )
+            req = _parse_count(row[i_req])
+            if req is None:
+                raise TraceFormatError(
+                    p, no, "Request tokens", "a non-negative integer", row[i_req]
+                )
+            resp = _parse_count(row[i_resp])
+            if resp is None:
+                raise TraceFormatError(
+                    p, no, "Response tokens", "a non-negative integer", row[i_resp]
+                )
+            if req == 0 or resp == 0:
+                skipped += 1
+                continue
+            rows.append((ts, req, resp, ()))
+            if limit is not None and len(rows) >= limit:
+                break
+    return _finish(p.stem, p, rows, 0, no, skipped)
 
 
 def _json_count(
@@ -439,14 +525,14 @@ def read_mooncake_jsonl(path: str | Path, *, limit: int | None = None) -> Worklo
 def read_trace(path: str | Path, *, limit: int | None = None) -> Workload:
     """Read a trace, choosing the reader by extension, else by the first non-blank line.
 
-    ``.csv`` → :func:`read_azure_csv`; ``.jsonl``/``.ndjson``/``.json`` →
-    :func:`read_mooncake_jsonl`. Other extensions: a line starting with ``{`` means JSON
-    lines, a line naming ``TIMESTAMP`` means Azure CSV.
+    ``.jsonl``/``.ndjson``/``.json`` → :func:`read_mooncake_jsonl`. Otherwise (``.csv``
+    included) by the first non-blank line: a header naming ``Request tokens`` means BurstGPT
+    (:func:`read_burstgpt_csv`), one naming ``TIMESTAMP`` means Azure (:func:`read_azure_csv`,
+    also a ``.csv`` whose header names neither: it says what is missing), a line starting
+    with ``{`` means JSON lines.
     """
     p = Path(path)
     suffix = p.suffix.lower()
-    if suffix == ".csv":
-        return read_azure_csv(p, limit=limit)
     if suffix in (".jsonl", ".ndjson", ".json"):
         return read_mooncake_jsonl(p, limit=limit)
     with p.open(encoding="utf-8") as f:
@@ -454,13 +540,18 @@ def read_trace(path: str | Path, *, limit: int | None = None) -> Workload:
             head = line.strip().lstrip("\ufeff")
             if not head:
                 continue
+            if "Request tokens" in head:
+                return read_burstgpt_csv(p, limit=limit)
+            if "TIMESTAMP" in head or suffix == ".csv":
+                return read_azure_csv(p, limit=limit)
             if head.startswith("{"):
                 return read_mooncake_jsonl(p, limit=limit)
-            if "TIMESTAMP" in head:
-                return read_azure_csv(p, limit=limit)
             raise TraceFormatError(
-                p, no, "(format)", "an Azure CSV header or a JSON object per line", head
+                p, no, "(format)",
+                "an Azure or BurstGPT CSV header, or a JSON object per line", head,
             )
+    if suffix == ".csv":
+        return read_azure_csv(p, limit=limit)  # (which says what the empty file lacks)
     raise TraceFormatError(p, 1, "(file)", "at least one request row", "an empty file")
 
 
