@@ -301,6 +301,37 @@ def _finish(
     )
 
 
+def _csv_columns(p: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, list[str]]]:
+    """The rows of the CSV file ``p`` as (line number, the fields of ``columns`` in that
+    order), found by the header's names (surrounding spaces and a BOM ignored); blank lines are
+    skipped. A header without them, or a row too short to hold them, raises
+    :class:`TraceFormatError` (the header is line 1)."""
+    with p.open(newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        try:
+            header = next(reader)
+        except StopIteration:
+            raise TraceFormatError(p, 1, "(header)", ",".join(columns), "an empty file") from None
+        names = [h.strip().lstrip("\ufeff") for h in header]
+        try:
+            index = [names.index(c) for c in columns]
+        except ValueError:
+            raise TraceFormatError(
+                p, 1, "(header)", "a header naming " + ",".join(columns), ",".join(header)
+            ) from None
+        width = max(index) + 1
+        for row in reader:
+            no = reader.line_num
+            if not row or (len(row) == 1 and not row[0].strip()):
+                continue
+            if len(row) < width:
+                missing = next(c for c, i in zip(columns, index, strict=True) if i >= len(row))
+                raise TraceFormatError(
+                    p, no, missing, f"{len(names)} comma-separated fields", ",".join(row)
+                )
+            yield no, [row[i] for i in index]
+
+
 def read_azure_csv(path: str | Path, *, limit: int | None = None) -> Workload:
     """Read an Azure LLM inference trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``).
 
@@ -316,55 +347,25 @@ def read_azure_csv(path: str | Path, *, limit: int | None = None) -> Workload:
     parse_ts = _TimestampParser()
     rows: list[tuple[float, int, int, tuple[int, ...]]] = []
     zero_outputs = 0
-    with p.open(newline="", encoding="utf-8") as f:
-        reader = csv.reader(f)
-        try:
-            header = next(reader)
-        except StopIteration:
+    no = 1
+    for no, (ts_text, ctx_text, gen_text) in _csv_columns(p, _AZURE_COLUMNS):
+        ts = parse_ts(ts_text)
+        if ts is None:
+            raise TraceFormatError(p, no, "TIMESTAMP", _TIMESTAMP_EXPECTED, ts_text)
+        ctx = _parse_count(ctx_text)
+        if ctx is None or ctx < 1:
             raise TraceFormatError(
-                p, 1, "(header)", ",".join(_AZURE_COLUMNS), "an empty file"
-            ) from None
-        names = [h.strip().lstrip("\ufeff") for h in header]
-        try:
-            i_ts, i_ctx, i_gen = (names.index(c) for c in _AZURE_COLUMNS)
-        except ValueError:
-            raise TraceFormatError(
-                p, 1, "(header)", "a header naming " + ",".join(_AZURE_COLUMNS), ",".join(header)
-            ) from None
-        width = max(i_ts, i_ctx, i_gen) + 1
-        no = 1
-        for row in reader:
-            no = reader.line_num
-            if not row or (len(row) == 1 and not row[0].strip()):
-                continue
-            if len(row) < width:
-                missing = next(
-                    c
-                    for c, i in zip(_AZURE_COLUMNS, (i_ts, i_ctx, i_gen), strict=True)
-                    if i >= len(row)
-                )
-                raise TraceFormatError(
-                    p, no, missing, f"{len(names)} comma-separated fields", ",".join(row)
-                )
-            ts = parse_ts(row[i_ts])
-            if ts is None:
-                raise TraceFormatError(p, no, "TIMESTAMP", _TIMESTAMP_EXPECTED, row[i_ts])
-            ctx = _parse_count(row[i_ctx])
-            if ctx is None or ctx < 1:
-                raise TraceFormatError(
-                    p, no, "ContextTokens", "a positive integer (prompt tokens >= 1)", row[i_ctx]
-                )
-            gen = _parse_count(row[i_gen])
-            if gen is None:
-                raise TraceFormatError(
-                    p, no, "GeneratedTokens", "a non-negative integer", row[i_gen]
-                )
-            if gen == 0:
-                gen = 1
-                zero_outputs += 1
-            rows.append((ts, ctx, gen, ()))
-            if limit is not None and len(rows) >= limit:
-                break
+                p, no, "ContextTokens", "a positive integer (prompt tokens >= 1)", ctx_text
+            )
+        gen = _parse_count(gen_text)
+        if gen is None:
+            raise TraceFormatError(p, no, "GeneratedTokens", "a non-negative integer", gen_text)
+        if gen == 0:
+            gen = 1
+            zero_outputs += 1
+        rows.append((ts, ctx, gen, ()))
+        if limit is not None and len(rows) >= limit:
+            break
     return _finish(p.stem, p, rows, zero_outputs, no)
 
 
@@ -389,62 +390,26 @@ def read_burstgpt_csv(path: str | Path, *, limit: int | None = None) -> Workload
     p = Path(path)
     rows: list[tuple[float, int, int, tuple[int, ...]]] = []
     skipped = 0
-    with p.open(newline="", encoding="utf-8") as f:
-        reader = csv.reader(f)
+    no = 1
+    for no, (ts_text, req_text, resp_text) in _csv_columns(p, _BURSTGPT_COLUMNS):
         try:
-            header = next(reader)
-        except StopIteration:
-            raise TraceFormatError(
-                p, 1, "(header)", ",".join(_BURSTGPT_COLUMNS), "an empty file"
-            ) from None
-        names = [h.strip().lstrip("\ufeff") for h in header]
-        try:
-            i_ts, i_req, i_resp = (names.index(c) for c in _BURSTGPT_COLUMNS)
+            ts = float(ts_text.strip())
         except ValueError:
-            raise TraceFormatError(
-                p, 1, "(header)", "a header naming " + ",".join(_BURSTGPT_COLUMNS),
-                ",".join(header),
-            ) from None
-        width = max(i_ts, i_req, i_resp) + 1
-        no = 1
-        for row in reader:
-            no = reader.line_num
-            if not row or (len(row) == 1 and not row[0].strip()):
-                continue
-            if len(row) < width:
-                missing = next(
-                    c
-                    for c, i in zip(_BURSTGPT_COLUMNS, (i_ts, i_req, i_resp), strict=True)
-                    if i >= len(row)
-                )
-                raise TraceFormatError(
-                    p, no, missing, f"{len(names)} comma-separated fields", ",".join(row)
-                )
-            text = row[i_ts].strip()
-            try:
-                ts = float(text)
-            except ValueError:
-                ts = math.nan
-            if not (math.isfinite(ts) and ts >= 0.0):
-                raise TraceFormatError(
-                    p, no, "Timestamp", "a finite number of seconds >= 0", row[i_ts]
-                )
-            req = _parse_count(row[i_req])
-            if req is None:
-                raise TraceFormatError(
-                    p, no, "Request tokens", "a non-negative integer", row[i_req]
-                )
-            resp = _parse_count(row[i_resp])
-            if resp is None:
-                raise TraceFormatError(
-                    p, no, "Response tokens", "a non-negative integer", row[i_resp]
-                )
-            if req == 0 or resp == 0:
-                skipped += 1
-                continue
-            rows.append((ts, req, resp, ()))
-            if limit is not None and len(rows) >= limit:
-                break
+            ts = math.nan
+        if not (math.isfinite(ts) and ts >= 0.0):
+            raise TraceFormatError(p, no, "Timestamp", "a finite number of seconds >= 0", ts_text)
+        req = _parse_count(req_text)
+        if req is None:
+            raise TraceFormatError(p, no, "Request tokens", "a non-negative integer", req_text)
+        resp = _parse_count(resp_text)
+        if resp is None:
+            raise TraceFormatError(p, no, "Response tokens", "a non-negative integer", resp_text)
+        if req == 0 or resp == 0:
+            skipped += 1
+            continue
+        rows.append((ts, req, resp, ()))
+        if limit is not None and len(rows) >= limit:
+            break
     return _finish(p.stem, p, rows, 0, no, skipped)
 
 
