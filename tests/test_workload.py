@@ -110,6 +110,28 @@ def test_azure_csv_small_file(tmp_path: Path) -> None:
     assert w.name == "t"
 
 
+def test_azure_csv_2024_timestamps_with_utc_offsets(tmp_path: Path) -> None:
+    """The Azure 2024 release (AzureLLMInferenceTrace_code_1week.csv) writes its timestamps
+    with a UTC offset: read, and an offset other than +00:00 is taken away."""
+    p = write(
+        tmp_path,
+        "t24.csv",
+        HEADER
+        + "2024-05-10 00:00:00.009930+00:00,4808,10\n"
+        + "2024-05-10 00:00:01.5Z,3180,8\n"
+        + "2024-05-10 02:00:02-0000,100,5\n"
+        + "2024-05-10 04:00:03+02:00,200,6\n",  # 02:00:03 UTC
+    )
+    w = read_azure_csv(p)
+    assert [r.arrival_s for r in w.requests] == pytest.approx(
+        [0.0, 1.49007, 7201.99007, 7202.99007]
+    )
+    for bad in ("2024-05-10 00:00:00.1+0", "2024-05-10 00:00:00+25:00", "2024-05-10 00:00:00+ab"):
+        with pytest.raises(TraceFormatError) as info:
+            read_azure_csv(write(tmp_path, "bad24.csv", HEADER + bad + ",5,5\n"))
+        assert info.value.column == "TIMESTAMP"
+
+
 def test_azure_csv_column_order_and_unsorted_rows(tmp_path: Path) -> None:
     p = write(
         tmp_path,

@@ -206,7 +206,7 @@ class Workload:
 # --------------------------------------------------------------------------------------------
 
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-_TIMESTAMP_EXPECTED = "a timestamp 'YYYY-MM-DD HH:MM:SS[.fffffff]'"
+_TIMESTAMP_EXPECTED = "a timestamp 'YYYY-MM-DD HH:MM:SS[.fffffff][Z|+HH:MM|-HH:MM]'"
 
 
 def _check_limit(limit: int | None) -> None:
@@ -223,7 +223,9 @@ def _parse_count(text: str) -> int | None:
 
 
 class _TimestampParser:
-    """Parses ``YYYY-MM-DD HH:MM:SS.fffffff`` to seconds, caching the day offsets."""
+    """Parses ``YYYY-MM-DD HH:MM:SS.fffffff`` to seconds, caching the day offsets; a UTC offset
+    after the seconds (``Z``, ``+HH:MM``, ``-HHMM``: the Azure 2024 release writes ``+00:00``)
+    is taken away, so rows of different offsets keep their order in time."""
 
     __slots__ = ("_days", "_origin")
 
@@ -259,6 +261,19 @@ class _TimestampParser:
         hh, mm, ss = t[11:13], t[14:16], t[17:]
         if not (hh.isdigit() and mm.isdigit() and hh.isascii() and mm.isascii()):
             return None
+        offset = 0
+        if ss.endswith("Z"):  # UTC
+            ss = ss[:-1]
+        else:  # a UTC offset, as the 2024 release writes them ('...00.009930+00:00')
+            sign = max(ss.find("+"), ss.find("-"))
+            if sign >= 0:
+                zone, ss = ss[sign + 1:].replace(":", ""), ss[:sign]
+                if len(zone) not in (2, 4) or not zone.isascii() or not zone.isdigit():
+                    return None
+                zh, zm = int(zone[:2]), int(zone[2:] or 0)
+                if zh > 23 or zm > 59:
+                    return None
+                offset = (zh * 3600 + zm * 60) * (1 if t[17 + sign] == "+" else -1)
         whole, dot, frac = ss.partition(".")
         if (
             len(whole) != 2
@@ -270,7 +285,7 @@ class _TimestampParser:
         h, m, s = int(hh), int(mm), int(whole)
         if h > 23 or m > 59 or s > 60:
             return None
-        seconds = base + h * 3600 + m * 60 + s
+        seconds = base + h * 3600 + m * 60 + s - offset
         if frac:
             seconds += int(frac) / 10 ** len(frac)
         return seconds
@@ -336,7 +351,8 @@ def read_azure_csv(path: str | Path, *, limit: int | None = None) -> Workload:
     """Read an Azure LLM inference trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``).
 
     Arrivals are seconds after the first (earliest) row; timestamps are parsed by hand
-    (``2023-11-16 18:15:46.6805900``, any number of fractional digits). Extra columns are
+    (``2023-11-16 18:15:46.6805900``, any number of fractional digits; the 2024 release's
+    ``2024-05-10 00:00:00.009930+00:00``, with a UTC offset, as well). Extra columns are
     ignored and the three named ones may come in any order. ``limit`` keeps only the first
     ``limit`` rows. A malformed row raises :class:`TraceFormatError` naming the line (the
     header is line 1), the column and what was expected. ``ContextTokens`` must be >= 1;
