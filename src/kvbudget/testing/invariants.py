@@ -280,6 +280,16 @@ def idle_requests_cost_nothing(s: Scheduler, shadows: Collection[Shadow]) -> Non
             assert sh.blocks == 0 and req.blocks == 0, req
 
 
+def prefill_backlog_consistent(s: Scheduler) -> None:
+    """Bookkeeping the first-token forecast reads (not a DESIGN §4 invariant): the prefill
+    backlog is the prompt tokens of admitted requests still waiting for their first token, and
+    what the forecast takes as still ahead of a newcomer is part of it."""
+    pending = sum(r.prefill_pending for r in s.requests.values())
+    assert s.prefill_backlog == pending >= 0, (s.prefill_backlog, pending)
+    ahead = s.forecast.queued_prefill()
+    assert 0 <= ahead <= s.prefill_backlog, (ahead, s.prefill_backlog)
+
+
 # -- 8 ----------------------------------------------------------------------------------------
 
 

@@ -854,6 +854,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
         inv.stopped_blocks_wait_for_confirmation(s, snap, shadows, self.stale)  # 4
         inv.idle_requests_cost_nothing(s, shadows)  # 7
         inv.shared_blocks_charged_once(s, shadows, self.stale_prefix)  # 8
+        inv.prefill_backlog_consistent(s)
 
     # -- teardown: drive everything to completion ---------------------------------------------
 
