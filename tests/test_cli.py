@@ -90,6 +90,26 @@ def test_trace_file_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[
         main(["simulate", "--rate-scale", "-1"])
 
 
+def test_what_the_replay_changed_of_a_trace_is_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Prompts cut to the model's length and a BurstGPT trace's skipped failures are noted
+    under the table, not left for the reader to find in the JSON."""
+    trace = tmp_path / "burst.csv"
+    rows = ["Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type"]
+    rows += [f"{i},ChatGPT,{100 + 300 * i},{20 + i},0,API log" for i in range(20)]
+    rows += ["21,GPT-4,50,0,50,API log"]  # a failed call
+    trace.write_text("\n".join(rows) + "\n")
+    argv = ["simulate", "--trace", str(trace), "--policy", "calibrated", "--quiet"]
+    assert main([*argv, "--model-max-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "20 requests" in out
+    assert "note: 6 of 20 prompts are longer than --model-max-len 4096" in out
+    assert "note: 1 rows of the trace are not requests an engine ran" in out
+    assert main([*argv, "--model-max-len", "8192"]) == 0
+    assert "prompts are longer" not in capsys.readouterr().out
+
+
 def test_turn_away_late_first_tokens_flag(tmp_path: Path) -> None:
     """A burst of 80 prompts in a fraction of a second: with the flag, callers whose first token
     the queued prefill would make late are turned away instead of admitted late; the run records

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 import attrs
@@ -445,6 +445,28 @@ def _workload_from(args: argparse.Namespace) -> Any:
     return synthetic_workload(seed=args.seed)
 
 
+def _workload_notes(summary: Mapping[str, Any], model_max_len: int) -> list[str]:
+    """What the replay changed of the trace, said under its table (also in the JSON)."""
+    notes = []
+    overlay = summary.get("overlay", {})
+    n = overlay.get("count", 0)
+    cut = overlay.get("prompts_clamped", 0)
+    if cut:
+        notes.append(
+            f"{cut} of {n} prompts are longer than --model-max-len {model_max_len} and were cut "
+            f"to {model_max_len - 1} tokens (a longer-context model: --model-max-len)"
+        )
+    if overlay.get("outputs_clamped", 0):
+        notes.append(
+            f"{overlay['outputs_clamped']} of {n} true outputs run past their hard maximum "
+            "(max_tokens, or the model's length less the prompt) and end there"
+        )
+    if summary.get("rows_skipped", 0):
+        notes.append(f"{summary['rows_skipped']} rows of the trace are not requests an engine "
+                     "ran (failed calls) and were skipped")
+    return notes
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from kvbudget.core.config import SchedulerConfig
     from kvbudget.core.policy import POLICY_NAMES
@@ -521,6 +543,8 @@ def _simulate(args: argparse.Namespace) -> int:
         )
         out.write(report.format_markdown(run) if args.markdown else report.format_table(run))
         out.write("\n")
+        for note in _workload_notes(run.workload, args.model_max_len):
+            out.write(f"note: {note}\n")
     if len(runs) > 1:
         sweep = report.SweepResult(runs=tuple(runs))
         out.write("\ngoodput (requests within SLO per second) against load\n")
