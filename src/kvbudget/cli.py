@@ -167,7 +167,12 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("workload")
-    g.add_argument("--trace", metavar="PATH", help="trace file (default: built-in synthetic)")
+    g.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="trace file: Azure LLM inference CSV (2023 or 2024), BurstGPT CSV or Mooncake "
+        "JSON lines (default: built-in synthetic)",
+    )
     g.add_argument(
         "--limit",
         type=_positive_int,
