@@ -9,7 +9,8 @@ default engine model (Llama-2-7B on an A100) at 1x and 4x, on the five synthetic
 conversation trace's first 3,000 requests (``--azure``; its cells are left out when the file is
 absent), and the built-in workload on the A100 model at 1x. With ``--mooncake DIR`` (a checkout's
 ``FAST25-release/traces`` of https://github.com/kvcache-ai/Mooncake: ``conversation_trace.jsonl``,
-``synthetic_trace.jsonl``, read where they are) ten more: each trace's first 1,000 requests on
+``synthetic_trace.jsonl``, read where they are; a file absent there leaves its cells out) ten
+more: each trace's first 1,000 requests on
 the A100 model at 0.05x, 0.1x, 0.25x, 1x and 4x, as a 128K-context model
 (``--model-max-len 131072``: their prompts run to 126K and 191K tokens; a longer one is cut to
 it). A cell is named
@@ -152,15 +153,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ns = p.parse_args(argv)
     if ns.jobs < 1 or (ns.limit is not None and ns.limit < 1):
         p.error("--jobs and --limit must be >= 1")
-    if ns.mooncake is not None:
-        missing = [f for f in MOONCAKE.values() if not (ns.mooncake / f).exists()]
-        if missing:
-            p.error(f"--mooncake {ns.mooncake}: no {', '.join(missing)} there")
+    if ns.mooncake is not None and not any((ns.mooncake / f).exists() for f in MOONCAKE.values()):
+        p.error(f"--mooncake {ns.mooncake}: none of {', '.join(MOONCAKE.values())} there")
     policies = list(dict.fromkeys(ns.policy or ["calibrated"]))
     chosen = [
         c for c in cells(ns.mooncake is not None)
         if (not ns.cell or any(s in cell_name(c) for s in ns.cell))
         and (c[0] != "azure" or ns.azure.exists())
+        and (c[0] not in MOONCAKE or (ns.mooncake / MOONCAKE[c[0]]).exists())
     ]
     if any(c[0] in SYNTHETIC for c in chosen):
         _ensure_traces(ns.traces)

@@ -47,6 +47,19 @@ def test_the_real_mooncake_traces_add_ten_cells_when_given(tmp_path: pathlib.Pat
         hc.simulate_argv(("mooncake-syn", "A100", 4.0), tmp_path, tmp_path, 0, None)
     with pytest.raises(SystemExit):  # a directory without the traces
         hc.main(["--mooncake", str(tmp_path), "--cell", "mooncake"])
+    # one of the two there: its cells run, the other's are left out
+    lines = [
+        f'{{"timestamp": {k * 700}, "input_length": {600 + 50 * k}, "output_length": 40, '
+        f'"hash_ids": [0, {k + 1}]}}'
+        for k in range(30)
+    ]
+    (tmp_path / "synthetic_trace.jsonl").write_text("\n".join(lines) + "\n")
+    out = hc.main(["--mooncake", str(tmp_path), "--cell", "mooncake", "--cell", "code/tiny/1",
+                   "--traces", str(tmp_path / "traces"), "--limit", "30", "--jobs", "1"])
+    assert set(out["cells"]) == {f"mooncake-syn/A100/{x:g}" for x in hc.MOONCAKE_LOADS} | {
+        "code/tiny/1"
+    }
+    assert all(0 < row["calibrated"]["good"] <= 30 for row in out["cells"].values())
 
 
 def test_the_verdict_is_calibrated_against_the_best_other_policy() -> None:
