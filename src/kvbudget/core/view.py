@@ -64,8 +64,8 @@ class SchedulerView(Protocol):
     @property
     def prefill_backlog(self) -> int: ...
 
-    #: (when, tokens queued for prefill then, its own included) of the newest admission whose
-    #: first token has not come yet, while ``prefill_backlog`` is not 0
+    #: (when, tokens queued for prefill then, its own included) of the newest admission that
+    #: added to ``prefill_backlog`` (read only while the backlog is not 0)
     @property
     def newest_prefill(self) -> tuple[float, int]: ...
 
