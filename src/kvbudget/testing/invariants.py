@@ -228,15 +228,18 @@ def stopped_blocks_wait_for_confirmation(
 # -- 5 ----------------------------------------------------------------------------------------
 
 
-def protected_headroom_kept(s: Scheduler, sh: Shadow, a: ev.Admit | ev.Extend, free: int) -> None:
+def protected_headroom_kept(sh: Shadow, a: ev.Admit | ev.Extend, free: int, protected: int) -> None:
     """5. Protected interactive headroom is never granted to batch work.
 
     No grant or extension ``a`` of an unprotected class leaves ``free`` (the free blocks replayed
-    up to and including ``a``) below the ledger's protected blocks."""
+    up to and including ``a``) below the ledger's protected blocks. ``protected``: the least
+    the protected part was during the call that made ``a`` (a call may run several passes, and
+    the policy may size the part anew in each: a batch grant made under a smaller part is not
+    taken back when a later pass grows it)."""
     if not sh.cls.protected:
-        assert free >= s.ledger.protected_blocks, (
+        assert free >= protected, (
             f"{a!r} of unprotected {sh.rid} leaves {free} < protected "
-            f"{s.ledger.protected_blocks} free blocks (inv. 5)"
+            f"{protected} free blocks (inv. 5)"
         )
 
 

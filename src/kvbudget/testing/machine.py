@@ -196,6 +196,14 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 confirm_timeout_s=self.confirm_timeout_s,
             ),
         )
+        self.protected_low = 0
+        refresh = self.s._refresh_headroom
+
+        def refresh_noting_the_least() -> None:
+            refresh()
+            self.protected_low = min(self.protected_low, self.sched.ledger.protected_blocks)
+
+        self.s._refresh_headroom = refresh_noting_the_least  # type: ignore[method-assign]
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -289,7 +297,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
                     self.holders[h] = self.holders.get(h, 0) + 1
                 sh.shared_at_grant = reused
                 inv.grant_fits(a, free)
-                inv.protected_headroom_kept(s, sh, a, free)
+                inv.protected_headroom_kept(sh, a, free, self.protected_low)
                 sh.phase = "running"
                 sh.boundary = a.boundary
                 sh.blocks = a.blocks
@@ -302,7 +310,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 assert a.blocks >= sh.blocks, a
                 free -= a.blocks - sh.blocks
                 inv.grant_fits(a, free)
-                inv.protected_headroom_kept(s, sh, a, free)
+                inv.protected_headroom_kept(sh, a, free, self.protected_low)
                 sh.boundary = a.boundary
                 sh.blocks = a.blocks
             elif isinstance(a, ev.Deny):
@@ -388,8 +396,15 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 raise AssertionError(f"unknown action {a!r}")
 
     def _call(self, cause: str, fn: Callable[[], Sequence[ev.Action]]) -> None:
-        free_before = self.sched.ledger.free
+        free_before = self._start_call()
         self._apply(fn(), cause, free_before)
+
+    def _start_call(self) -> int:
+        """The free blocks before a call to the scheduler, whose actions :meth:`_apply` checks;
+        the protected part's low-water mark starts over from its size now."""
+        led = self.sched.ledger
+        self.protected_low = led.protected_blocks
+        return led.free
 
     def _rule(self) -> None:
         self._ok = False
@@ -420,7 +435,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
             rid, spec, cls, true_len, self.now, None if deadline is None else self.now + deadline
         )
         self.shadows[rid] = sh
-        free_before = s.ledger.free
+        free_before = self._start_call()
         actions = s.arrive(rid, spec, self.now)
         for a in actions:
             if isinstance(a, ev.Reject) and a.request_id == rid:
@@ -601,7 +616,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
         phase = sh.phase
         s = self.sched
         before = fingerprint(s)
-        free_before = s.ledger.free
+        free_before = self._start_call()
         actions = s.cancel(rid, self.now)
         if phase in ("queued", "checkpointed"):
             assert rid not in s.requests, "a cancelled queued request is still known"
