@@ -1796,6 +1796,70 @@ def test_an_overshoot_into_the_slack_waits_for_the_engine_before_a_continuation(
     assert of(out, ev.Continue, "r1")[0].continuation.remaining_tokens == 1
 
 
+def test_a_policy_acting_ahead_waits_for_the_engine_at_the_boundary_itself() -> None:
+    """A policy that decides ahead of the boundary (``acts_ahead``) decides while the request
+    is short of it. The token that reaches the boundary may be the request's last one, so a
+    refused extension there waits for the engine's word, as past it (found by the property
+    harness with a policy answering at random: a Continue for a request whose token at its
+    boundary was its natural end)."""
+
+    class Ahead(Fixed):
+        name = "ahead"
+
+        def acts_ahead(self, req: Request) -> bool:
+            return True
+
+    def at_boundary() -> Scheduler:
+        s = Scheduler(Capacity(2, 4), policy=Ahead(allowance=4, step=4, blocked=Blocked.CONTINUE))
+        spec_ = spec(prompt=4, max_tokens=16, on_exhausted="continue")
+        assert of(s.arrive("r1", spec_, 0.0), ev.Admit, "r1")[0].boundary == 4
+        out = s.charge("r1", 4, 0.0)  # exactly to the boundary; the cache is full
+        assert not of(out, ev.Continue) and not of(out, ev.Preempt), out
+        return s
+
+    s = at_boundary()
+    s.finish("r1", "stop", 0.1)  # it was its last token
+    assert s.requests["r1"].state is State.RELEASING
+    s = at_boundary()
+    out = s.boundary_reached("r1", 0.1)  # it stopped and wants more: no room, a continuation
+    assert of(out, ev.Continue, "r1")[0].continuation.remaining_tokens == 12
+
+
+def test_a_continuation_asked_ahead_of_the_boundary_waits_for_it() -> None:
+    """A policy acting ahead that answers ``CONTINUE`` while the request is short of its
+    boundary does not end it there: its grant covers the tokens to the boundary, and the token
+    just charged may be its last one (found by the property harness with a policy answering at
+    random: a Continue at the first token of a one-token answer)."""
+
+    class AheadContinues(Fixed):
+        name = "ahead-continues"
+
+        def acts_ahead(self, req: Request) -> bool:
+            return True
+
+        def lookahead_tokens(self, req: Request) -> int:
+            return 100
+
+    def first_token() -> Scheduler:
+        s = Scheduler(
+            Capacity(2, 4), policy=AheadContinues(allowance=4, step=4, blocked=Blocked.CONTINUE)
+        )
+        spec_ = spec(prompt=4, max_tokens=16, on_exhausted="continue")
+        assert of(s.arrive("r1", spec_, 0.0), ev.Admit, "r1")[0].boundary == 4
+        out = s.charge("r1", 1, 0.0)  # asked ahead at once; the cache is full
+        assert not of(out, ev.Continue), out
+        assert s.requests["r1"].state is State.RUNNING
+        return s
+
+    s = first_token()
+    s.finish("r1", "stop", 0.1)  # it was its last token
+    assert s.requests["r1"].state is State.RELEASING
+    s = first_token()
+    assert not of(s.charge("r1", 3, 0.1), ev.Continue)  # to the boundary: the engine decides
+    out = s.boundary_reached("r1", 0.2)
+    assert of(out, ev.Continue, "r1")[0].continuation.remaining_tokens == 12
+
+
 #: pressures in a few bands side by side and far apart (so that outcomes crowd a band)
 _PRESSURES = st.sampled_from([0.3, 0.8, 1.0, 1.2, 1.6, 2.5, 3.0, 6.0, 40.0])
 

@@ -918,9 +918,15 @@ class Scheduler:
         """Does the policy decide for ``req`` when its extension asked ahead of the boundary is
         refused (``Policy.acts_ahead``, optional), rather than when it reaches the boundary? A
         preemption decided then has returned its blocks by the time the boundary comes, so
-        ``req`` is never paused."""
+        ``req`` is never paused. Only while it is short of its boundary: the token that reaches
+        it may be its last one, so from there on the decision waits for the engine's word
+        (:meth:`boundary_reached` or :meth:`finish`), as past it."""
         ahead = getattr(self.policy, "acts_ahead", None)
-        return ahead is not None and req.boundary < req.hard_max and bool(self._ask(ahead, req))
+        return (
+            ahead is not None
+            and req.generated < req.boundary < req.hard_max
+            and bool(self._ask(ahead, req))
+        )
 
     def _extension_answer(self, req: Request) -> int | None:
         """The policy's extension for ``req`` (``Policy.extension_tokens``), checked: None (no
@@ -1030,7 +1036,11 @@ class Scheduler:
                     f"continuation for {req.request_id!r}, which did not allow one "
                     "(on_exhausted='extend'): that would be a silent truncation",
                 )
-            self._continue(req, now, actions)
+            if req.state is State.EXTENDING:
+                self._continue(req, now, actions)
+            # (else asked ahead of its boundary: a continuation ends the answer where it stands,
+            # short of the tokens its grant still covers, and the token just charged may be its
+            # last; it is decided at the boundary, once the engine says it wants more)
             return
         if decision is Blocked.PREEMPT_SELF:
             self._preempt(req, now, actions, reason="boundary")

@@ -24,7 +24,9 @@ class Blocked(enum.Enum):
     WAIT = "wait"  # hold the grant and wait for blocks to come back
     PREEMPT_OTHERS = "preempt-others"  # checkpoint victims chosen by ``choose_victims``
     PREEMPT_SELF = "preempt-self"  # checkpoint this request; it resumes by re-prefill
-    CONTINUE = "continue"  # end with an explicit continuation (only if the request allows it)
+    # end with an explicit continuation (only if the request allows it; asked ahead of the
+    # boundary, it waits there: the answer may end by itself before, and its grant covers it)
+    CONTINUE = "continue"
 
 
 @runtime_checkable
