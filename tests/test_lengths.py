@@ -638,3 +638,24 @@ def test_allowance_equal_to_length_is_not_an_underestimate() -> None:
     m.record_outcome(KEY, 100, 101, 0.9)
     rep = m.underestimation().overall
     assert rep.underestimated == 1 and rep.shortfall_p50 == 1 and rep.shortfall_p99 == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 5000), min_size=1, max_size=400),
+    st.lists(st.tuples(st.sampled_from([0.5, 0.9, 0.99]), st.integers(0, 6000)), max_size=30),
+)
+def test_conditional_quantiles_cached_per_version_match_a_fresh_answer(
+    lengths: list[int], asks: list[tuple[float, int]]
+) -> None:
+    """The model caches conditional answers per histogram version: after every observation an
+    answer equals the histogram's own, computed afresh (a stale cache would answer from an
+    older distribution)."""
+    model = LengthModel(prior_tokens=64, min_samples=1)
+    for i, length in enumerate(lengths):
+        model.observe(KEY, length)
+        for q, g in asks[i % max(1, len(asks)) :][:3]:
+            node = model._node_for(KEY)
+            fresh = g + model._prior_quantile(q) if node is None else node.hist._conditional(q, g)
+            assert model.conditional_quantile(KEY, q, g) == fresh
+            assert model.conditional_quantile(KEY, q, g) == fresh  # (the cached answer)

@@ -384,14 +384,29 @@ def _fields(key: CalibrationKey) -> tuple[str, ...]:
     return (key.model, key.task, key.service_class, key.tenant, key.sampling, key.stops)
 
 
+#: conditional answers a node keeps per histogram version (then it starts over)
+_CONDITIONAL_CACHE_MAX: Final = 4096
+
+
 class _Node:
-    __slots__ = ("hist", "qcache", "qualified", "qversion")
+    __slots__ = ("ccache", "hist", "qcache", "qualified", "qversion")
 
     def __init__(self, hist: LengthHistogram) -> None:
         self.hist = hist
         self.qcache: dict[float, int] = {}
+        # (q, given) -> conditional quantile: the scheduler asks it of every live stream in its
+        # passes (drain forecasts, who gives way), streams of one key at the same length alike
+        self.ccache: dict[tuple[float, int], int] = {}
         self.qversion = -1
         self.qualified = False
+
+    def current(self) -> None:
+        """Drop the cached answers if the histogram has changed since they were cached."""
+        version = self.hist._version
+        if self.qversion != version:
+            self.qcache.clear()
+            self.ccache.clear()
+            self.qversion = version
 
 
 @attrs.frozen(slots=True)
@@ -653,14 +668,11 @@ class LengthModel:
         node = self._node_for(key)
         if node is None:
             return self._prior_quantile(q)
-        hist = node.hist
+        node.current()
         cache = node.qcache
-        if node.qversion != hist._version:
-            cache.clear()
-            node.qversion = hist._version
         ans = cache.get(q)
         if ans is None:
-            ans = hist._quantile(q)
+            ans = node.hist._quantile(q)
             cache[q] = ans
         return ans
 
@@ -675,7 +687,15 @@ class LengthModel:
         node = self._node_for(key)
         if node is None:
             return given + self._prior_quantile(q)
-        return node.hist._conditional(q, given)
+        node.current()
+        cache = node.ccache
+        ans = cache.get((q, given))
+        if ans is None:
+            if len(cache) >= _CONDITIONAL_CACHE_MAX:
+                cache.clear()
+            ans = node.hist._conditional(q, given)
+            cache[q, given] = ans
+        return ans
 
     def survival(self, key: CalibrationKey, at: int) -> float:
         """P(L > at) for ``key``."""
