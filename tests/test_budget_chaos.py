@@ -14,20 +14,11 @@ import pytest
 
 from _kvb_helpers import quiet_structlog, spec, task_count  # noqa: F401 (autouse fixture)
 from kvbudget import (
-    Budget,
     Capacity,
-    ContinuationRequired,
-    EngineError,
     GenerationResult,
-    KvBudgetError,
-    Overloaded,
-    Preempted,
-    SchedulerConfig,
 )
-from kvbudget.core.lengths import LengthModel
-from kvbudget.engines.base import split_engine_request_id
-from kvbudget.engines.sim import Faults, SimEngine
-from test_budget_load import SIM_COST, Watcher, check_accounting, settle
+from kvbudget.engines.sim import Faults
+from test_budget_load import Watcher, check_accounting, faulty_budget, generate_noting_errors
 from test_chaos_policy import ChaosPolicy
 
 pytestmark = pytest.mark.anyio
@@ -39,19 +30,8 @@ async def test_a_policy_answering_at_random_loses_nothing_under_faults(seed: int
     n = 300
     faults = Faults(release_delay_p=0.3, release_delay_s=0.03, lost_confirm_p=0.1,
                     duplicate_confirm_p=0.3, duplicate_delay_s=0.01, error_p=0.002)
-    budget_ref: list[Budget] = []
-
-    def push_confirm(engine_id: str) -> None:
-        rid, attempt = split_engine_request_id(engine_id)
-        budget_ref[0].confirm_release(rid, attempt=attempt)
-
-    engine = SimEngine(capacity=Capacity(40, 16), median_length=40, seed=seed, faults=faults,
-                       on_released=push_confirm)
-    budget = Budget(engine.capacity, config=SchedulerConfig(confirm_timeout_s=0.1),
-                    policy=ChaosPolicy(random.Random(seed)), engine=engine, confirm_timeout=0.1,
-                    stall_timeout=0.5, tick_interval=0.01, lengths=LengthModel(prior_tokens=24),
-                    cost=SIM_COST)
-    budget_ref.append(budget)
+    engine, budget = faulty_budget(Capacity(40, 16), seed, faults, stall_timeout=0.5,
+                                   policy=ChaosPolicy(random.Random(seed)))
     watcher = Watcher(budget, engine)
     results: list[GenerationResult] = []
     errors: Counter[str] = Counter()
@@ -65,23 +45,9 @@ async def test_a_policy_answering_at_random_loses_nothing_under_faults(seed: int
                      on_exhausted="continue" if i % 3 == 0 else "extend")
             await anyio.sleep(rng.uniform(0.0, 0.5))
             with anyio.move_on_after(rng.uniform(0.01, 0.4) if i % 5 == 0 else 60):
-                try:
-                    async for _ in budget.generate(engine, s, request_id=f"c{i}",
-                                                   sink=results.append):
-                        pass
-                except (EngineError, Overloaded, Preempted, ContinuationRequired) as exc:
-                    errors[type(exc).__name__] += 1
-                    assert isinstance(exc, KvBudgetError)
+                await generate_noting_errors(budget, engine, s, f"c{i}", results, errors)
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watcher.run)
-            async with anyio.create_task_group() as inner:
-                for i in range(n):
-                    inner.start_soon(one, i)
-            await settle(budget, timeout=10)
-            tg.cancel_scope.cancel()
-    watcher.check()
-    assert watcher.violations == [], watcher.violations[:5]
+        await watcher.watch(n, one)
     snap = budget.snapshot()
     assert snap.reserved_blocks == 0 and snap.active == 0 and snap.queued == 0
     assert engine.kv_used_blocks() == 0 and engine.overflows == 0

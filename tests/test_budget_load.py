@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 
 import anyio
@@ -29,11 +30,13 @@ from kvbudget import (
     KvBudgetError,
     Overloaded,
     Preempted,
+    RequestSpec,
     SchedulerConfig,
     ServiceClass,
 )
 from kvbudget.core.cost import CostModel, StepTimeModel
 from kvbudget.core.lengths import LengthModel
+from kvbudget.core.policy import Policy
 from kvbudget.engines.base import split_engine_request_id
 from kvbudget.engines.sim import Faults, SimEngine
 
@@ -246,6 +249,56 @@ class Watcher:
             await anyio.sleep(0.001)
             self.check()
 
+    async def watch(self, n: int, one: Callable[[int], Awaitable[None]]) -> None:
+        """Run ``one(0)`` .. ``one(n - 1)`` at once under this watcher, settle the budget, and
+        assert that the budget never held fewer blocks than the engine."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.run)
+            async with anyio.create_task_group() as inner:
+                for i in range(n):
+                    inner.start_soon(one, i)
+            await settle(self.budget, timeout=10)
+            tg.cancel_scope.cancel()
+        self.check()
+        assert self.violations == [], self.violations[:5]
+
+
+def faulty_budget(
+    capacity: Capacity, seed: int, faults: Faults, *, stall_timeout: float,
+    policy: Policy | None = None,
+) -> tuple[SimEngine, Budget]:
+    """A SimEngine with ``faults`` that pushes its confirmations to a Budget over it (push-style,
+    so duplicated by the faults too), the budget's timeouts short."""
+    budget_ref: list[Budget] = []
+
+    def push_confirm(engine_id: str) -> None:
+        rid, attempt = split_engine_request_id(engine_id)
+        budget_ref[0].confirm_release(rid, attempt=attempt)
+
+    engine = SimEngine(capacity=capacity, median_length=40, seed=seed, faults=faults,
+                       on_released=push_confirm)
+    budget = Budget(engine.capacity, config=SchedulerConfig(confirm_timeout_s=0.1), policy=policy,
+                    engine=engine, confirm_timeout=0.1, stall_timeout=stall_timeout,
+                    tick_interval=0.01, lengths=LengthModel(prior_tokens=24), cost=SIM_COST)
+    budget_ref.append(budget)
+    return engine, budget
+
+
+async def generate_noting_errors(
+    budget: Budget, engine: SimEngine, s: RequestSpec, request_id: str,
+    results: list[GenerationResult], errors: Counter[str],
+) -> None:
+    """One generation to its end; the typed errors a faulty engine or a full cache give are
+    counted in ``errors``."""
+    try:
+        async for _ in budget.generate(engine, s, request_id=request_id, sink=results.append):
+            pass
+    except (EngineError, Overloaded, Preempted, ContinuationRequired) as exc:
+        errors[type(exc).__name__] += 1
+        assert isinstance(exc, KvBudgetError)
+        if isinstance(exc, EngineError):
+            assert exc.request_id and exc.detail
+
 
 @pytest.mark.slow
 async def test_confirmation_and_engine_faults_never_free_early_or_twice() -> None:
@@ -253,19 +306,7 @@ async def test_confirmation_and_engine_faults_never_free_early_or_twice() -> Non
     faults = Faults(release_delay_p=0.3, release_delay_s=0.05, lost_confirm_p=0.1,
                     duplicate_confirm_p=0.5, duplicate_delay_s=0.01, error_p=0.002,
                     stall_p=0.001, stall_s=2.0)
-    budget_ref: list[Budget] = []
-
-    def push_confirm(engine_id: str) -> None:  # push-style confirmations, duplicated by faults
-        rid, attempt = split_engine_request_id(engine_id)
-        budget_ref[0].confirm_release(rid, attempt=attempt)
-
-    engine = SimEngine(capacity=Capacity(256, 16), median_length=40, seed=3, faults=faults,
-                       on_released=push_confirm)
-    config = SchedulerConfig(confirm_timeout_s=0.1)
-    budget = Budget(engine.capacity, config=config, engine=engine, confirm_timeout=0.1,
-                    stall_timeout=0.2, tick_interval=0.01, lengths=LengthModel(prior_tokens=24),
-                    cost=SIM_COST)
-    budget_ref.append(budget)
+    engine, budget = faulty_budget(Capacity(256, 16), 3, faults, stall_timeout=0.2)
     watcher = Watcher(budget, engine)
     results: list[GenerationResult] = []
     errors: Counter[str] = Counter()
@@ -276,25 +317,9 @@ async def test_confirmation_and_engine_faults_never_free_early_or_twice() -> Non
             s = spec(prompt=rng.randint(8, 64), max_tokens=200,
                      cls="batch" if i % 2 else "interactive")
             with anyio.move_on_after(rng.uniform(0.01, 0.4) if i % 4 == 0 else 60):
-                try:
-                    async for _ in budget.generate(engine, s, request_id=f"f{i}",
-                                                   sink=results.append):
-                        pass
-                except (EngineError, Overloaded, Preempted, ContinuationRequired) as exc:
-                    errors[type(exc).__name__] += 1
-                    assert isinstance(exc, KvBudgetError)
-                    if isinstance(exc, EngineError):
-                        assert exc.request_id and exc.detail
+                await generate_noting_errors(budget, engine, s, f"f{i}", results, errors)
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watcher.run)
-            async with anyio.create_task_group() as inner:
-                for i in range(n):
-                    inner.start_soon(one, i)
-            await settle(budget, timeout=10)
-            tg.cancel_scope.cancel()
-    watcher.check()
-    assert watcher.violations == [], watcher.violations[:5]
+        await watcher.watch(n, one)
     assert watcher.checks > 50
     snap = budget.snapshot()
     assert snap.reserved_blocks == 0 and engine.kv_used_blocks() == 0

@@ -1770,6 +1770,17 @@ def test_weighted_tenant_fairness_under_saturation() -> None:
     assert share_b == pytest.approx(1 / 11, rel=0.10)
 
 
+def ends_or_continues(make: Callable[[], Scheduler], remaining: int) -> None:
+    """``make()`` leaves r1 with no room to grow and told nothing final. Either the engine
+    says it ended (then it completed) or that it stopped and wants more (then a continuation of
+    its ``remaining`` tokens)."""
+    s = make()
+    s.finish("r1", "stop", 0.1)  # it was its last token
+    assert s.requests["r1"].state is State.RELEASING
+    out = make().boundary_reached("r1", 0.1)  # it stopped and wants more: no room
+    assert of(out, ev.Continue, "r1")[0].continuation.remaining_tokens == remaining
+
+
 def test_an_overshoot_into_the_slack_waits_for_the_engine_before_a_continuation() -> None:
     """An engine that overshoots its boundary into the reserved slack has not stopped: the token
     past the boundary may be its last one. With no room to extend, the request is told nothing
@@ -1788,12 +1799,7 @@ def test_an_overshoot_into_the_slack_waits_for_the_engine_before_a_continuation(
         assert not of(out, ev.Continue) and not of(out, ev.Preempt)
         return s
 
-    s = overshot()
-    s.finish("r1", "stop", 0.1)  # it was its last token
-    assert s.requests["r1"].state is State.RELEASING
-    s = overshot()
-    out = s.boundary_reached("r1", 0.1)  # it stopped and wants more: no room, a continuation
-    assert of(out, ev.Continue, "r1")[0].continuation.remaining_tokens == 1
+    ends_or_continues(overshot, remaining=1)
 
 
 def test_a_policy_acting_ahead_waits_for_the_engine_at_the_boundary_itself() -> None:
@@ -1817,12 +1823,7 @@ def test_a_policy_acting_ahead_waits_for_the_engine_at_the_boundary_itself() -> 
         assert not of(out, ev.Continue) and not of(out, ev.Preempt), out
         return s
 
-    s = at_boundary()
-    s.finish("r1", "stop", 0.1)  # it was its last token
-    assert s.requests["r1"].state is State.RELEASING
-    s = at_boundary()
-    out = s.boundary_reached("r1", 0.1)  # it stopped and wants more: no room, a continuation
-    assert of(out, ev.Continue, "r1")[0].continuation.remaining_tokens == 12
+    ends_or_continues(at_boundary, remaining=12)
 
 
 def test_a_continuation_asked_ahead_of_the_boundary_waits_for_it() -> None:
@@ -1852,12 +1853,15 @@ def test_a_continuation_asked_ahead_of_the_boundary_waits_for_it() -> None:
         return s
 
     s = first_token()
-    s.finish("r1", "stop", 0.1)  # it was its last token
+    s.finish("r1", "stop", 0.1)  # it was its last token, short of the boundary
     assert s.requests["r1"].state is State.RELEASING
-    s = first_token()
-    assert not of(s.charge("r1", 3, 0.1), ev.Continue)  # to the boundary: the engine decides
-    out = s.boundary_reached("r1", 0.2)
-    assert of(out, ev.Continue, "r1")[0].continuation.remaining_tokens == 12
+
+    def at_boundary() -> Scheduler:
+        s = first_token()
+        assert not of(s.charge("r1", 3, 0.1), ev.Continue)  # to the boundary: the engine decides
+        return s
+
+    ends_or_continues(at_boundary, remaining=12)
 
 
 #: pressures in a few bands side by side and far apart (so that outcomes crowd a band)
