@@ -487,6 +487,31 @@ def test_greedy_text_survives_checkpoints_of_a_measured_engine(env: _Env) -> Non
     assert engine_preempted == 0
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_text_survives_a_policy_answering_at_random(env: _Env, seed: int) -> None:
+    """Whatever a legal policy decides (here every hook at random: grants of any size,
+    extensions or none, victims, pauses for first tokens, decisions ahead of the boundary),
+    the adapter pauses, resubmits and resumes so that every request gets exactly the bare
+    engine's greedy tokens and text. (kvbudget's front is off: a turn-away would end a request
+    the comparison needs.)"""
+    import random
+
+    from test_chaos_policy import ChaosPolicy
+
+    class RandomBehindNoFront(ChaosPolicy):
+        front = False
+
+        def arrival_refusal(self, req: Any) -> str | None:
+            return None
+
+    policy = RandomBehindNoFront(random.Random(seed))
+    snap, _, pauses, _ = _greedy_against_bare(
+        env, 10 + seed, f"chaos{seed}", policy=policy, prefill_probes=0
+    )
+    assert pauses + snap.preemptions > 0, "the random grants should have forced pauses"
+    assert snap.policy_faults == 0
+
+
 def test_a_segment_run_to_its_end_past_the_grant_is_a_pause_not_a_finish(env: _Env) -> None:
     """The server's event loop stalls (a busy 2-core machine deschedules it for a second)
     right after a stream's first tokens: the pause at its boundary cannot be sent, and the
