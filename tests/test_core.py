@@ -1013,24 +1013,24 @@ def test_turn_away_at_arrival_reads_outcomes_at_the_callers_pressure() -> None:
     """Whether a caller is unlikely to be admitted in time is read from the outcomes of recent
     queued callers forecast at about its pressure (forecast / the wait it may have): served in
     time far past the bound, a caller forecast there queues; timed out inside it, a caller
-    forecast there is turned away though the uncalibrated margin (4x) would queue it. Cold,
-    only a forecast past four times the bound is turned away."""
+    forecast there is turned away though the forecast alone would queue it. Cold, a forecast
+    past the bound is turned away (UNCALIBRATED_WAIT_RATIO: taken as it is)."""
     from kvbudget.core.forecast import MIN_WAIT_OUTCOMES, wait_pressure_band
 
     s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
     f = s.forecast
-    assert not f.unlikely_in_time(3.0, 1.0) and f.unlikely_in_time(5.0, 1.0)  # cold: 4x
+    assert not f.unlikely_in_time(1.0, 1.0) and f.unlikely_in_time(1.2, 1.0)  # cold: the bound
     assert f.unlikely_in_time(0.1, 0.0)  # nothing to wait: any wait is too long
     for _ in range(MIN_WAIT_OUTCOMES):
         f.note_waited(5.0, 1.0, True, s.now)  # forecast at 5x its bound, served in time
-        f.note_waited(1.5, 1.0, False, s.now)  # at 1.5x, timed out
+        f.note_waited(0.8, 1.0, False, s.now)  # inside its bound, timed out
     assert not f.unlikely_in_time(5.0, 1.0)
     assert f.in_time_share(5.0) == 1.0
-    assert f.unlikely_in_time(1.5, 1.0)
+    assert f.unlikely_in_time(0.8, 1.0)
     snap = s.snapshot()  # the snapshot shows the outcomes read for the forecast judged last
     assert snap.wait_in_time_share == 0.0 and snap.wait_forecast_samples == MIN_WAIT_OUTCOMES
     # an empty band reads the ones beside it, then the next one down: served at 5x, a caller
-    # at up to twice that pressure queues; far past that the uncalibrated margin holds again
+    # at up to twice that pressure queues; far past that the forecast alone decides again
     assert wait_pressure_band(7.5) == wait_pressure_band(5.0) + 1
     assert not f.unlikely_in_time(7.5, 1.0) and not f.unlikely_in_time(10.0, 1.0)
     assert f.unlikely_in_time(40.0, 1.0) and s.snapshot().wait_forecast_samples == 0
@@ -1048,24 +1048,25 @@ def test_turn_away_at_arrival_reads_outcomes_at_the_callers_pressure() -> None:
     assert g.unlikely_in_time(2.0, 1.0)
     # a caller forecast inside its bound, where callers timed out: turned away, unless the
     # drain of what the engine holds admits it in time (nothing is held here: none to drain)
-    assert f.turns_away(_queued_probe(s), 1.5, 1.0) is True
+    assert f.turns_away(_queued_probe(s), 0.8, 1.0) is True
     assert f.turns_away(_queued_probe(s), 5.0, 1.0) is False
 
 
 def test_outcomes_are_forgotten_after_a_minute() -> None:
     """A pressure that callers timed out at is judged afresh once its outcomes are a minute
-    old (the regime may have changed): at the uncalibrated margin, which queues the caller."""
+    old (the regime may have changed): by the forecast alone, which queues a caller forecast
+    inside its bound."""
     from kvbudget.core.forecast import MIN_WAIT_OUTCOMES, WAIT_OUTCOME_HORIZON_S
 
     s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
     f = s.forecast
     for _ in range(MIN_WAIT_OUTCOMES):
-        f.note_waited(1.5, 1.0, False, 0.0)
-    assert f.unlikely_in_time(1.5, 1.0)
+        f.note_waited(0.8, 1.0, False, 0.0)
+    assert f.unlikely_in_time(0.8, 1.0)
     s.tick(WAIT_OUTCOME_HORIZON_S - 1.0)
-    assert f.unlikely_in_time(1.5, 1.0)
+    assert f.unlikely_in_time(0.8, 1.0)
     s.tick(WAIT_OUTCOME_HORIZON_S + 1.0)
-    assert not f.unlikely_in_time(1.5, 1.0)
+    assert not f.unlikely_in_time(0.8, 1.0)
     assert s.snapshot().wait_forecast_samples == 0
 
 
@@ -1077,10 +1078,11 @@ def _queued_probe(s: Scheduler) -> Any:
     return Request("probe", spec(prompt=4, max_tokens=4, cls="interactive"), cls, s.now, None)
 
 
-def test_a_cold_forecast_turns_away_at_once_only_callers_forecast_at_4x_their_bound() -> None:
+def test_a_cold_forecast_turns_away_at_once_callers_forecast_past_their_bound() -> None:
     """With no evidence yet of how the wait forecast errs, a newcomer is turned away at arrival
-    only if it is forecast to wait more than four times its bound; one forecast at 3 times its
-    bound queues (its queue bound still times it out)."""
+    if it is forecast to wait past its bound (and the drain of what the engine holds would not
+    admit it in time either); one forecast inside its bound queues (its queue bound still
+    times it out)."""
 
     def cold() -> Scheduler:  # a full cache, one caller queued, one release rate seen
         s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
@@ -1096,11 +1098,11 @@ def test_a_cold_forecast_turns_away_at_once_only_callers_forecast_at_4x_their_bo
     # a deadline bounds the wait to it less the predicted service (deadline_service_quantile)
     service = probe.forecast.predicted_service(probe.requests["next"], 0.5)
     s = cold()
-    edge = s.arrive("next", spec(prompt=4, max_tokens=28, deadline=wait / 3 + service), 3.0)
-    assert not of(edge, ev.Reject) and s.requests["next"].state is State.QUEUED
+    inside = s.arrive("next", spec(prompt=4, max_tokens=28, deadline=wait * 1.2 + service), 3.0)
+    assert not of(inside, ev.Reject) and s.requests["next"].state is State.QUEUED
     s = cold()
-    far = s.arrive("next", spec(prompt=4, max_tokens=28, deadline=wait / 5 + service), 3.0)
-    assert of(far, ev.Reject, "next")[0].reason == "deadline"
+    past = s.arrive("next", spec(prompt=4, max_tokens=28, deadline=wait / 1.5 + service), 3.0)
+    assert of(past, ev.Reject, "next")[0].reason == "deadline"
 
 
 def approx(value: float) -> Any:
@@ -1923,7 +1925,7 @@ def test_the_in_time_share_is_always_what_the_outcomes_kept_say(
                     seen += fresh[near]
             share = f.in_time_share(a)
             assert f.unlikely_in_time(a * b, b) is (
-                share < 0.2 if len(seen) >= MIN_WAIT_OUTCOMES else a > 4.0
+                share < 0.2 if len(seen) >= MIN_WAIT_OUTCOMES else a > 1.0
             )
             assert f.wait_outcome_samples == len(seen)
             expected = sum(ok for _, ok in seen) / len(seen) if seen else 1.0

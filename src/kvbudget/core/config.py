@@ -59,10 +59,12 @@ class SchedulerConfig:
     first token's prefill) or not (timed out at its bound, or its first token would have been
     late). With fewer than ``MIN_WAIT_OUTCOMES`` outcomes at its pressure (and the bands beside
     it, then the next one down, so the pressure callers are queued at climbs a band at a time
-    past the highest seen served), a forecast with no evidence is trusted only at a margin: it
-    is quartered (``UNCALIBRATED_WAIT_RATIO``; a cold server turns away at once only callers
-    forecast to wait four times their bound, the rest queue and are timed out at their bound if
-    they must). None: whenever the forecast exceeds the bound. (Until 2026-12-03 the forecast
+    past the highest seen served), a forecast with no evidence is taken as it is
+    (``UNCALIBRATED_WAIT_RATIO``, 1: a cold server turns away at once callers forecast to wait
+    past their bound whom the drain of what the engine holds would not admit in time either;
+    until the sixteenth session it was quartered, which under a synchronized wave queued most
+    callers only to time them out at their bound, two seconds later). None: whenever the
+    forecast exceeds the bound. (Until 2026-12-03 the forecast
     was scaled by this quantile of real / forecast waits instead; a policy that admits callers
     at their last responsible moment makes every wait about its bound, and that ratio then
     turned away the most pressed fifth of the callers it had served in time, run after run.)

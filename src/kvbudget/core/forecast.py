@@ -29,10 +29,13 @@ LATE_ALPHA = 0.01
 #: outcomes of queued callers needed (at a forecast's pressure, else with the bands beside it
 #: and the next one down) before the turn-away at arrival reads them
 MIN_WAIT_OUTCOMES = 16
-#: what a forecast wait is scaled by before that (SchedulerConfig.turn_away_wait_quantile):
-#: over vLLM at 40 req/s the forecasts of a regime not seen before were 4-5x long (the release
-#: rate lags a surge), and 0.5 turned away 20-35 callers of 160 that 0.25 served in time
-UNCALIBRATED_WAIT_RATIO = 0.25
+#: what a forecast wait is scaled by before that (SchedulerConfig.turn_away_wait_quantile).
+#: It was 0.25 while the calibrated policy paused running streams for first tokens by default:
+#: the pauses served callers whose forecasts ran 4-5x long. Without them such callers time out
+#: at their bound; over vLLM, under a synchronized wave, 0.25 queued 55 of the 75 callers
+#: turned away only to time them out two seconds later, and 1 turned 55 of 76 away at once,
+#: serving as many in time (the drain of what the engine holds must agree: turns_away)
+UNCALIBRATED_WAIT_RATIO = 1.0
 #: the outcomes are kept by the pressure of the forecast they judge (forecast wait / the wait
 #: the caller may have), in bands of a factor of sqrt(2) from this pressure (the first band
 #: holds everything lower, the last everything higher)
@@ -414,7 +417,7 @@ class Forecast:
         admitted in time (``SchedulerConfig.turn_away_wait_quantile``)? Where at least
         ``MIN_WAIT_OUTCOMES`` recent queued callers' forecasts were of about its pressure
         (``wait / bound``): fewer than that share of them were admitted in time. Before that,
-        its forecast exceeds the bound even quartered (``UNCALIBRATED_WAIT_RATIO``). With the
+        its forecast exceeds the bound (times ``UNCALIBRATED_WAIT_RATIO``). With the
         quantile off: the forecast exceeds the bound."""
         if bound <= 0.0:
             return True
