@@ -1014,12 +1014,16 @@ def test_turn_away_at_arrival_reads_outcomes_at_the_callers_pressure() -> None:
     queued callers forecast at about its pressure (forecast / the wait it may have): served in
     time far past the bound, a caller forecast there queues; timed out inside it, a caller
     forecast there is turned away though the forecast alone would queue it. Cold, a forecast
-    past the bound is turned away (UNCALIBRATED_WAIT_RATIO: taken as it is)."""
+    past the bound is turned away (UNCALIBRATED_WAIT_RATIO: taken as it is), one the pauses for
+    first tokens may serve only past four times it (UNCALIBRATED_WAIT_RATIO_PAUSES)."""
     from kvbudget.core.forecast import MIN_WAIT_OUTCOMES, wait_pressure_band
 
     s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
     f = s.forecast
     assert not f.unlikely_in_time(1.0, 1.0) and f.unlikely_in_time(1.2, 1.0)  # cold: the bound
+    # where pauses for its first token may make room later, cold, a quarter of the forecast
+    assert not f.unlikely_in_time(3.0, 1.0, pauses=True)
+    assert f.unlikely_in_time(5.0, 1.0, pauses=True)
     assert f.unlikely_in_time(0.1, 0.0)  # nothing to wait: any wait is too long
     for _ in range(MIN_WAIT_OUTCOMES):
         f.note_waited(5.0, 1.0, True, s.now)  # forecast at 5x its bound, served in time

@@ -6,7 +6,7 @@ arrival turn-away spared where pauses could serve the caller)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import attrs
 import pytest
@@ -17,16 +17,9 @@ from kvbudget.core.ledger import State
 from kvbudget.core.model import Capacity, RequestSpec
 from kvbudget.core.policy import CalibratedPolicy
 from kvbudget.core.policy.base import Blocked
-from kvbudget.core.policy.calibrated import SUGGESTED_FIRST_TOKEN_PAUSE_SHARE
 from kvbudget.core.scheduler import Scheduler
 
 BLOCK = 32
-
-
-def pausing() -> CalibratedPolicy:
-    """Calibrated with its pauses for first tokens on (they are off by default), at the share
-    they were tuned at."""
-    return CalibratedPolicy(first_token_pause_share=SUGGESTED_FIRST_TOKEN_PAUSE_SHARE)
 
 
 def measured(policy: CalibratedPolicy, blocks: int = 256) -> Scheduler:
@@ -129,7 +122,7 @@ def burst(policy: CalibratedPolicy, n: int = 30) -> Engine:
 def test_a_burst_larger_than_the_cache_gets_every_first_token_in_time() -> None:
     # 30 callers of 512 + 300 tokens (26 blocks each at the end) on 256 blocks, at once: the
     # cache holds 14 prompts, and the first of them finish only after ~1.5 s
-    e = burst(pausing())
+    e = burst(CalibratedPolicy())
     assert not e.rejected
     late = {r: t for r, t in e.first_token.items() if t > 2.0}
     assert len(e.first_token) == 30 and not late
@@ -145,20 +138,15 @@ def test_a_burst_larger_than_the_cache_gets_every_first_token_in_time() -> None:
     assert e.s.snapshot().totals.completed == 30
 
 
-@pytest.mark.parametrize("policy", [CalibratedPolicy, lambda: CalibratedPolicy(
-    first_token_pause_share=None)], ids=["default", "off"])
-def test_without_first_token_pauses_the_same_burst_turns_callers_away(
-    policy: Callable[[], CalibratedPolicy],
-) -> None:
-    # off by default: no running stream freezes for a newcomer; the front says "overloaded"
-    e = burst(policy())
+def test_without_first_token_pauses_the_same_burst_turns_callers_away() -> None:
+    e = burst(CalibratedPolicy(first_token_pause_share=None))
     in_time = sum(1 for t in e.first_token.values() if t <= 2.0)
     assert e.rejected and in_time < 30
     assert not [v for v in e.gave_way if v[1].startswith("admit:")]
 
 
 def test_a_stream_gives_way_only_for_a_fresh_due_caller_and_not_when_about_to_finish() -> None:
-    policy = pausing()
+    policy = CalibratedPolicy()
     s = measured(policy, blocks=64)
     s.arrive("old", spec(prompt=512, max_tokens=300), 0.0)
     old = s.requests["old"]
@@ -185,7 +173,7 @@ def test_a_stream_gives_way_only_for_a_fresh_due_caller_and_not_when_about_to_fi
 def test_a_stale_release_rate_does_not_hold_the_pauses_back() -> None:
     # a previous wave left a high release rate behind; the streams running now finish only
     # after ~1.5 s: whether blocks come back in time for a due first token is judged from them
-    s = measured(pausing())
+    s = measured(CalibratedPolicy())
     s.forecast.note_release(5000, 0.0)
     assert s.forecast.release_rate(0.0) > 1000.0
     e = Engine(s)
@@ -197,7 +185,7 @@ def test_a_stale_release_rate_does_not_hold_the_pauses_back() -> None:
 
 
 def test_growth_asked_ahead_does_not_pause_a_stream_still_awaiting_its_first_token() -> None:
-    policy = pausing()
+    policy = CalibratedPolicy()
     s = measured(policy, blocks=36)  # two 512-token prompts (16 blocks each) and 4 more
     s.arrive("a", spec(), 0.0)
     s.arrive("b", spec(), 0.0)
@@ -220,7 +208,7 @@ def test_arrival_is_not_turned_away_where_pauses_could_serve_it(
         s.arrive(rid, spec(prompt=512, max_tokens=1000), 0.0)
     assert sum(r.state is State.ADMITTED for r in s.live.values()) == 3
     # the wait forecast says the newcomer would wait past its bound (a slow release rate)
-    monkeypatch.setattr(Forecast, "turns_away", lambda self, req, wait, bound: True)
+    monkeypatch.setattr(Forecast, "turns_away", lambda self, req, wait, bound, pauses=False: True)
     monkeypatch.setattr(Forecast, "wait_estimate", lambda self, req: (5.0, True))
     actions = s.arrive("n", spec(prompt=512, max_tokens=300), 0.02)
     rejected = [a for a in actions if isinstance(a, ev.Reject)]
@@ -243,7 +231,7 @@ def test_callers_a_round_of_pauses_was_made_for_are_not_turned_away_while_it_con
     stop is confirmed 1 s after it was asked, on the 30-caller burst: one round pauses 6 streams
     for 7 due callers, whose bounds pass before the pauses are confirmed (turned away then, all
     7 were lost; now they get their first tokens, late)."""
-    s = measured(pausing())
+    s = measured(CalibratedPolicy())
     e = Engine(s, confirm_delay=1.0)
     for i in range(30):
         e.apply(s.arrive(f"r{i}", spec(), 0.0))
@@ -264,7 +252,7 @@ def test_a_due_caller_that_fits_the_headroom_is_not_held_back_by_a_stale_release
     forecast once the caller's first token is due. Before, no stream was paused for it either
     (it fits the headroom) and it waited to the end of its bound, admitted 1.98 s after it
     arrived."""
-    s = measured(pausing())
+    s = measured(CalibratedPolicy())
     for i in range(12):  # twelve long streams fill the cache but for the headroom
         s.arrive(f"x{i}", spec(prompt=512, max_tokens=1000), 0.0)
     t = 0.0
@@ -293,7 +281,7 @@ def test_the_stream_that_gives_way_is_the_one_a_pause_costs_least() -> None:
     # one pause breaks the pace of a 40-token answer (1 gap in 39 over the floor), not a
     # 1,000-token one's; paused once already, "long" counts as 500 and still goes first; only
     # once it has been paused so often that its tokens per pause fall below 40 is it spared.
-    policy = pausing()
+    policy = CalibratedPolicy()
     s = short_and_long(policy, {"a": "long", "long": "long", "short": "short"})
     a, long_, short = (s.requests[r] for r in ("a", "long", "short"))
     assert a.seq < long_.seq < short.seq and policy.cheap_to_pause(a)
@@ -338,7 +326,7 @@ def test_growth_asked_ahead_waits_for_blocks_due_back_before_its_boundary() -> N
     # confirmed, or a stream expected to end (and be confirmed, two steps), before "a" reaches
     # its boundary.
     # At its boundary, or too near it for a release to come, "a" has "b" give way after all.
-    policy = pausing()
+    policy = CalibratedPolicy()
     s = short_and_long(policy, {"a": "long", "b": "long"})
     a = s.requests["a"]
     step = s.step_seconds()
@@ -377,7 +365,7 @@ def test_growth_of_a_less_important_stream_never_pauses_a_more_important_one() -
     # after it as well, that one does, however much longer the interactive one is expected to
     # run. Among equals nothing changes: an interactive asker still has an interactive stream
     # admitted after it give way.
-    policy = pausing()
+    policy = CalibratedPolicy()
     s = short_and_long(policy, {})
     batch_long = RequestSpec(
         prompt_tokens=256, max_tokens=1500, model_max_len=2048, task="long",

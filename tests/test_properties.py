@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from kvbudget.core.ledger import TRANSITIONS, Ledger, Request, State, Trigger
 from kvbudget.core.model import BATCH, Capacity, RequestSpec, blocks_for
 from kvbudget.core.policy import POLICY_NAMES, CalibratedPolicy
-from kvbudget.core.policy.calibrated import SUGGESTED_FIRST_TOKEN_PAUSE_SHARE
 from kvbudget.core.queue import ClassQueue as _ClassQueue
 from kvbudget.core.stats import Counters
 from kvbudget.errors import AlreadyReleased, InvalidInput, InvalidTransition
@@ -58,8 +57,7 @@ class _PausesEngaged(CalibratedPolicy):
 
 
 TestVariant_calibrated_pauses_engaged = BudgetStateMachine.for_policy(
-    lambda _truth: _PausesEngaged(first_token_pause_share=SUGGESTED_FIRST_TOKEN_PAUSE_SHARE),
-    name="calibrated-pauses-engaged"
+    lambda _truth: _PausesEngaged(), name="calibrated-pauses-engaged"
 ).TestCase
 TestVariant_calibrated_pauses_engaged.settings = PROFILE
 

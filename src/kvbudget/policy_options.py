@@ -42,7 +42,7 @@ def add_first_token_pause_option(parser: Any, flag: str = "--first-token-pause-s
         help="calibrated policy: pause running streams for a fresh interactive caller once its "
              "queue slack falls to this share of its first-token objective; off: never (for a "
              "per-token latency SLO, where a stall costs more than a late first token). "
-             f"Default: the policy's ({FIRST_TOKEN_PAUSE_SHARE or 'off'})",
+             f"Default: the policy's ({FIRST_TOKEN_PAUSE_SHARE})",
     )
 
 

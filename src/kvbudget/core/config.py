@@ -61,12 +61,15 @@ class SchedulerConfig:
     it, then the next one down, so the pressure callers are queued at climbs a band at a time
     past the highest seen served), a forecast with no evidence is taken as it is
     (``UNCALIBRATED_WAIT_RATIO``, 1: a cold server turns away at once callers forecast to wait
-    past their bound whom the drain of what the engine holds would not admit in time either;
-    until the sixteenth session it was quartered, which under a synchronized wave queued most
-    callers only to time them out at their bound, two seconds later). None: whenever the
-    forecast exceeds the bound. (Until 2026-12-03 the forecast
-    was scaled by this quantile of real / forecast waits instead; a policy that admits callers
-    at their last responsible moment makes every wait about its bound, and that ratio then
+    past their bound whom the drain of what the engine holds would not admit in time either),
+    and quartered for a caller whose first token may have running streams paused for it
+    (``UNCALIBRATED_WAIT_RATIO_PAUSES``: later rounds of pauses serve such callers). Until the
+    sixteenth session every forecast was quartered, which with the pauses off queued most of a
+    synchronized wave only to time it out at its bound, two seconds later. None: whenever the
+    forecast exceeds the bound.
+    (Until 2026-12-03 the forecast was scaled by this quantile of real / forecast waits
+    instead; a policy that admits callers at their last responsible moment makes every wait
+    about its bound, and that ratio then
     turned away the most pressed fifth of the callers it had served in time, run after run.)
     ``first_token_quantile``: the quantile of the time from admission to a first token that a
     first-token objective is judged against (when a queued caller is turned away, whether its

@@ -29,13 +29,18 @@ LATE_ALPHA = 0.01
 #: outcomes of queued callers needed (at a forecast's pressure, else with the bands beside it
 #: and the next one down) before the turn-away at arrival reads them
 MIN_WAIT_OUTCOMES = 16
-#: what a forecast wait is scaled by before that (SchedulerConfig.turn_away_wait_quantile).
-#: It was 0.25 while the calibrated policy paused running streams for first tokens by default:
-#: the pauses served callers whose forecasts ran 4-5x long. Without them such callers time out
-#: at their bound; over vLLM, under a synchronized wave, 0.25 queued 55 of the 75 callers
-#: turned away only to time them out two seconds later, and 1 turned 55 of 76 away at once,
-#: serving as many in time (the drain of what the engine holds must agree: turns_away)
+#: what a forecast wait is scaled by before that (SchedulerConfig.turn_away_wait_quantile), for
+#: a caller that no pause for a first token can serve: over vLLM, with the pauses off, under a
+#: synchronized wave, a quartered forecast queued 55 of the 75 callers turned away only to time
+#: them out two seconds later, and the forecast as it is turned 55 of 76 away at once, serving
+#: as many in time (the drain of what the engine holds must agree: turns_away)
 UNCALIBRATED_WAIT_RATIO = 1.0
+#: ... and for a caller whose first token may have running streams paused for it
+#: (Policy.first_token_pause_at): later rounds of pauses serve callers whose forecasts ran 4-5x
+#: long (over vLLM at 40 req/s, 0.5 turned away 20-35 callers of 160 that 0.25 served in time;
+#: with the forecast as it is, `kvbudget serve` turned away 46 of 160 under overload where it
+#: had turned away 0-4)
+UNCALIBRATED_WAIT_RATIO_PAUSES = 0.25
 #: the outcomes are kept by the pressure of the forecast they judge (forecast wait / the wait
 #: the caller may have), in bands of a factor of sqrt(2) from this pressure (the first band
 #: holds everything lower, the last everything higher)
@@ -412,12 +417,14 @@ class Forecast:
                 for read in range(band - 1, band + 3):
                     self._share_at.pop(read, None)
 
-    def unlikely_in_time(self, wait: float, bound: float) -> bool:
+    def unlikely_in_time(self, wait: float, bound: float, pauses: bool = False) -> bool:
         """Is a caller forecast to wait ``wait`` seconds, who may wait ``bound``, unlikely to be
         admitted in time (``SchedulerConfig.turn_away_wait_quantile``)? Where at least
         ``MIN_WAIT_OUTCOMES`` recent queued callers' forecasts were of about its pressure
         (``wait / bound``): fewer than that share of them were admitted in time. Before that,
-        its forecast exceeds the bound (times ``UNCALIBRATED_WAIT_RATIO``). With the
+        its forecast exceeds the bound (times ``UNCALIBRATED_WAIT_RATIO``, or where running
+        streams may be paused for the caller's first token, ``pauses``, quartered:
+        ``UNCALIBRATED_WAIT_RATIO_PAUSES``). With the
         quantile off: the forecast exceeds the bound."""
         if bound <= 0.0:
             return True
@@ -427,15 +434,18 @@ class Forecast:
             return pressure > 1.0
         share = self.in_time_share(pressure)
         if self.wait_outcome_samples < MIN_WAIT_OUTCOMES:
-            return pressure * UNCALIBRATED_WAIT_RATIO > 1.0
+            ratio = UNCALIBRATED_WAIT_RATIO_PAUSES if pauses else UNCALIBRATED_WAIT_RATIO
+            return pressure * ratio > 1.0
         return share < q
 
-    def turns_away(self, req: Request, wait: float, bound: float | None) -> bool:
+    def turns_away(
+        self, req: Request, wait: float, bound: float | None, pauses: bool = False
+    ) -> bool:
         """Is a caller forecast to wait ``wait`` seconds, who may wait ``bound``, turned away at
         arrival? Only when it is unlikely to be admitted in time (:meth:`unlikely_in_time`)
         and the drain of what the engine holds now would not admit it within the bound either
         (:meth:`drain_wait`)."""
-        if not (wait > 0.0 and bound is not None and self.unlikely_in_time(wait, bound)):
+        if not (wait > 0.0 and bound is not None and self.unlikely_in_time(wait, bound, pauses)):
             return False
         drain = self.drain_wait(max(1, self.deficit(req)), self.predicted_service(req, 0.5))
         return drain is None or drain > bound
@@ -453,6 +463,7 @@ __all__ = [
     "LATE_SHARE_ON",
     "MIN_WAIT_OUTCOMES",
     "UNCALIBRATED_WAIT_RATIO",
+    "UNCALIBRATED_WAIT_RATIO_PAUSES",
     "WAIT_OUTCOME_HORIZON_S",
     "WAIT_PRESSURE_BANDS",
     "WAIT_PRESSURE_FROM",

@@ -284,7 +284,8 @@ class Scheduler:
         # at once skips it (it is most of an arrival's cost), one that stays queued gets it below
         req.expiry = forecast.queue_expiry(req, service=wait > 0.0)
         bound = forecast.wait_bound(req, now)
-        if forecast.turns_away(req, wait, bound) and not self._served_by_pauses(req):
+        pauses = self._first_token_pause_at(req) is not None
+        if forecast.turns_away(req, wait, bound, pauses) and not self._served_by_pauses(req):
             return [self._reject_new(req, wait, "deadline")]
         if measured and bound is not None:
             req.wait_forecast, req.wait_bound = wait, bound

@@ -19,14 +19,8 @@ if TYPE_CHECKING:
 
 #: the objective a pause's re-prefill is weighed against for a class with no first-token one
 _REFERENCE_S = 2.0
-#: the default ``first_token_pause_share`` (:meth:`CalibratedPolicy.first_token_pause_at`):
-#: off. A pause trades a stream's latency floor for a newcomer's first token, and under
-#: sustained overload the stream waits for the queue to drain (seconds); bounded admission and
-#: an early "overloaded" keep every admitted stream flowing instead
-FIRST_TOKEN_PAUSE_SHARE: float | None = None
-#: the share the pauses were tuned at, for those who turn them on
-#: (``first_token_pause_share=SUGGESTED_FIRST_TOKEN_PAUSE_SHARE``)
-SUGGESTED_FIRST_TOKEN_PAUSE_SHARE = 0.75
+#: the default ``first_token_pause_share`` (:meth:`CalibratedPolicy.first_token_pause_at`)
+FIRST_TOKEN_PAUSE_SHARE = 0.75
 
 
 class CalibratedPolicy(BasePolicy):
@@ -219,15 +213,14 @@ class CalibratedPolicy(BasePolicy):
 
     def first_token_pause_at(self, req: Request) -> float | None:
         """``first_token_pause_share`` of the first-token objective, for a fresh caller under
-        one that is cheap to pause (None, the default: never): the queue slack at which running
-        streams are paused for it. Where the objective is on the first token and the mean pace
-        after it, a stall of a stream well inside its pace costs it little and an "overloaded"
-        costs the caller everything; each stream gives way at most once (:meth:`gives_way`) and
-        is requeued behind the callers queued then, so a burst is spread over the cache's
-        turnovers rather than thrashed. The share they were tuned at (0.75) pauses before the
-        last responsible moment: the objective is met where the caller reads the token, past a
-        network and a client that take their share of it. Off by default: a pause breaks the
-        paused stream's latency floor, under sustained overload for seconds (docs/policies.md)."""
+        one that is cheap to pause (None: never): the queue slack at which running streams are
+        paused for it. Where the objective is on the first token and the mean pace after it, a
+        stall of a stream well inside its pace costs it little and an "overloaded" costs the
+        caller everything; each stream gives way at most once (:meth:`gives_way`) and is
+        requeued behind the callers queued then, so a burst is spread over the cache's
+        turnovers rather than thrashed. The default (0.75) pauses before the last responsible
+        moment: the objective is met where the caller reads the token, past a network and a
+        client that take their share of it."""
         share = self.first_token_pause_share
         objective = req.cls.ttft_slo_s
         if share is None or objective is None or req.generated or not self.cheap_to_pause(req):
@@ -483,4 +476,4 @@ class CalibratedPolicy(BasePolicy):
             self._demand = 0.0  # shed float drift when idle
 
 
-__all__ = ["FIRST_TOKEN_PAUSE_SHARE", "SUGGESTED_FIRST_TOKEN_PAUSE_SHARE", "CalibratedPolicy"]
+__all__ = ["FIRST_TOKEN_PAUSE_SHARE", "CalibratedPolicy"]
