@@ -224,6 +224,30 @@ def test_arrival_is_not_turned_away_where_pauses_could_serve_it(
         assert [a for a in late if isinstance(a, ev.Reject) and a.reason == "deadline"]
 
 
+@pytest.mark.parametrize("share", [0.75, None])
+def test_a_cold_wait_forecast_keeps_its_margin_only_where_pauses_may_serve_the_caller(
+    share: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no outcomes yet, the turn-away at arrival quarters a forecast for a caller whose
+    first token may have streams paused for it (later rounds of pauses serve such callers:
+    UNCALIBRATED_WAIT_RATIO_PAUSES), and trusts it as it is otherwise (a caller no pause can
+    serve times out at its bound if it queues)."""
+    s = measured(CalibratedPolicy(first_token_pause_share=share), blocks=64)
+    for rid in ("x", "y", "z"):  # three long streams that hold the cache
+        s.arrive(rid, spec(prompt=512, max_tokens=1000), 0.0)
+    seen: list[bool] = []
+    real = Forecast.turns_away
+
+    def spy(self: Forecast, req: object, wait: float, bound: float | None,
+            pauses: bool = False) -> bool:
+        seen.append(pauses)
+        return bool(real(self, req, wait, bound, pauses))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Forecast, "turns_away", spy)
+    s.arrive("n", spec(prompt=512, max_tokens=300), 0.02)
+    assert seen == [share is not None]
+
+
 def test_callers_a_round_of_pauses_was_made_for_are_not_turned_away_while_it_confirms() -> None:
     """Streams paused for callers whose queue bound then passes while the engine has not yet
     confirmed the pauses: those callers wait for the blocks (their first tokens come, if late)
