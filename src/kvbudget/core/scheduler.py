@@ -285,7 +285,9 @@ class Scheduler:
         req.expiry = forecast.queue_expiry(req, service=wait > 0.0)
         bound = forecast.wait_bound(req, now)
         pauses = self._first_token_pause_at(req) is not None
-        if forecast.turns_away(req, wait, bound, pauses) and not self._served_by_pauses(req):
+        if forecast.turns_away(req, wait, bound, pauses) and not (
+            pauses and self._served_by_pauses(req)
+        ):
             return [self._reject_new(req, wait, "deadline")]
         if measured and bound is not None:
             req.wait_forecast, req.wait_bound = wait, bound
@@ -1345,12 +1347,13 @@ class Scheduler:
         return max(decode, self.token_gap)
 
     def _served_by_pauses(self, req: Request) -> bool:
-        """Could pauses for first tokens (``Policy.first_token_pause_at`` / ``gives_way``)
-        admit the newcomer ``req`` by its last responsible moment, whatever the releases? The
-        blocks wanted ahead of it and its own fit what is free plus what the streams that would
-        give way for it hold."""
+        """Could pauses for first tokens (``gives_way``) admit the newcomer ``req``, whose first
+        token may have streams paused for it (``Policy.first_token_pause_at``: the caller
+        checks), by its last responsible moment, whatever the releases? The blocks wanted ahead
+        of it and its own fit what is free plus what the streams that would give way for it
+        hold."""
         gives_way = getattr(self.policy, "gives_way", None)
-        if gives_way is None or self._first_token_pause_at(req) is None:
+        if gives_way is None:
             return False
         want = self.queues.blocks_ahead(req.cls) + req.want_blocks - self.ledger.admission_free
         for r in self.live.values():
