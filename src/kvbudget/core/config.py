@@ -66,11 +66,10 @@ class SchedulerConfig:
     (``UNCALIBRATED_WAIT_RATIO_PAUSES``: later rounds of pauses serve such callers). Until the
     sixteenth session every forecast was quartered, which with the pauses off queued most of a
     synchronized wave only to time it out at its bound, two seconds later. None: whenever the
-    forecast exceeds the bound.
-    (Until 2026-12-03 the forecast was scaled by this quantile of real / forecast waits
-    instead; a policy that admits callers at their last responsible moment makes every wait
-    about its bound, and that ratio then
-    turned away the most pressed fifth of the callers it had served in time, run after run.)
+    forecast exceeds the bound. (Until 2026-12-03 the forecast was scaled by this quantile of
+    real / forecast waits instead; a policy that admits callers at their last responsible
+    moment makes every wait about its bound, and that ratio then turned away the most pressed
+    fifth of the callers it had served in time, run after run.)
     ``first_token_quantile``: the quantile of the time from admission to a first token that a
     first-token objective is judged against (when a queued caller is turned away, whether its
     first token would be late, whether a prefill crowds callers under an objective): the cost

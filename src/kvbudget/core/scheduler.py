@@ -284,7 +284,8 @@ class Scheduler:
         # at once skips it (it is most of an arrival's cost), one that stays queued gets it below
         req.expiry = forecast.queue_expiry(req, service=wait > 0.0)
         bound = forecast.wait_bound(req, now)
-        pauses = self._first_token_pause_at(req) is not None
+        # (asked of the policy only where a turn-away is possible: most arrivals wait for nothing)
+        pauses = wait > 0.0 and bound is not None and self._first_token_pause_at(req) is not None
         if forecast.turns_away(req, wait, bound, pauses) and not (
             pauses and self._served_by_pauses(req)
         ):
