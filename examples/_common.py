@@ -35,6 +35,7 @@ from kvbudget.engines.tiny_model import configure_cpu_vllm_env, tiny_engine_args
 from kvbudget.errors import InvalidInput
 from kvbudget.guard import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES
 from kvbudget.names import DEFAULT_MAX_TASKS, DEFAULT_MAX_TENANTS, NameLimits
+from kvbudget.observability import EVENT_LEVELS, configure_events
 from kvbudget.policy_options import add_first_token_pause_option, server_policy
 
 # Request headers (HTTP) / metadata keys (gRPC, lower case) understood by the examples.
@@ -55,13 +56,12 @@ def configure_env() -> None:
 
 def configure_logging(level: int | str = logging.INFO) -> None:
     """stdlib logging for the servers, and kvbudget's structlog events at ``level`` and above
-    (admissions, extensions and confirmations are ``debug``; see docs/operations.md)."""
-    import structlog
-
+    (admissions, extensions and confirmations are ``debug``; see docs/operations.md), their
+    timestamps to the microsecond (:func:`kvbudget.observability.configure_events`)."""
     if isinstance(level, str):
         level = logging.getLevelNamesMapping()[level.upper()]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
+    configure_events(level)
 
 
 def make_parser(description: str, default_port: int) -> argparse.ArgumentParser:
@@ -125,7 +125,7 @@ def make_parser(description: str, default_port: int) -> argparse.ArgumentParser:
         help=f"larger request headers get 413 (HTTP; default {DEFAULT_MAX_HEADER_BYTES})",
     )
     p.add_argument(
-        "--events", default="info", choices=("debug", "info", "warning"),
+        "--events", default="info", choices=EVENT_LEVELS,
         help="lowest level of kvbudget's events to log (debug: every admission, extension, "
              "abort and confirmation; default info)",
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import re
 import sys
 import threading
 from typing import Any
@@ -21,6 +22,7 @@ from kvbudget.observability import (
     EVENTS,
     GAUGES,
     PrometheusExporter,
+    configure_events,
     emit,
     format_snapshot,
     log_drift,
@@ -201,6 +203,47 @@ def test_emit_and_drift_helpers() -> None:
     assert len(logs) == 2
     with pytest.raises(kvbudget.errors.UnknownName):
         emit("nonsense", request_id="r", service_class="c", tenant="t")
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_EVENT_NAME = re.compile(r"\[\w+\s*\] (\S+)")
+_MICROSECOND_STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6} ", re.MULTILINE)
+
+
+@pytest.mark.parametrize("level", ["debug", "warning"])
+def test_configure_events_filters_by_level_and_stamps_to_the_microsecond(
+    level: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The servers' ``--events`` / ``--kvbudget-events``: kvbudget's events from that level up,
+    each line stamped to the microsecond (a round of preemptions falls within one second)."""
+    engine = SimEngine(capacity=Capacity(blocks=64, block_size=16), lengths=lambda rid: 8)
+
+    async def main() -> None:
+        async with kvbudget.Budget(engine.capacity) as budget:
+            async for _step in budget.generate(engine, _spec()):
+                pass
+        log_drift(3, engine_used_blocks=10, ledger_used_blocks=7)  # a warning
+
+    capsys.readouterr()
+    configure_events(level)
+    anyio.run(main, backend="asyncio")
+    out = capsys.readouterr().out
+    assert not _ANSI.search(out)  # (not a terminal: no colours, as structlog's defaults)
+    lines = [line for line in out.splitlines() if line]
+    events = [m.group(1) for m in map(_EVENT_NAME.search, lines) if m is not None]
+    assert "drift" in events
+    assert ("admission" in events and "confirmation" in events) is (level == "debug")
+    assert len(_MICROSECOND_STAMP.findall("\n".join(lines))) == len(lines) > 0
+
+
+@pytest.mark.parametrize("level", ["verbose", "", 5, True, None, 2.5])
+def test_configure_events_refuses_an_unknown_level(level: Any) -> None:
+    before = structlog.get_config()
+    with pytest.raises(kvbudget.errors.InvalidInput, match="events"):
+        configure_events(level)
+    after = structlog.get_config()  # a refused level leaves the configuration alone
+    assert after["processors"] is before["processors"]
+    assert after["wrapper_class"] is before["wrapper_class"]
 
 
 # -- kvbudget inspect ------------------------------------------------------------------------

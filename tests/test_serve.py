@@ -309,5 +309,17 @@ def test_kvbudget_serve_takes_the_examples_first_token_pause_option() -> None:
     assert args.kvbudget_first_token_pause_share is None
 
 
+def test_kvbudget_serve_takes_an_events_level() -> None:
+    """``--kvbudget-events LEVEL``, as the examples' ``--events``; none given: kvbudget's events
+    are left to structlog's defaults (info and up, kvbudget.observability.KvbudgetLogger)."""
+    from kvbudget.serve import make_parser
+
+    parser = make_parser()
+    assert parser.parse_args([]).kvbudget_events is None
+    assert parser.parse_args(["--kvbudget-events", "debug"]).kvbudget_events == "debug"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kvbudget-events", "verbose"])
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))

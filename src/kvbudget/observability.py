@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
@@ -44,7 +46,7 @@ import attrs
 import structlog
 
 from kvbudget.core.stats import COUNTER_FIELDS, CounterValues, Snapshot
-from kvbudget.errors import UnknownName
+from kvbudget.errors import InvalidInput, UnknownName
 
 if TYPE_CHECKING:
     from kvbudget.core.lengths import UnderestimationStats
@@ -278,6 +280,46 @@ class KvbudgetLogger:
 
 
 _LOGGERS: dict[str, KvbudgetLogger] = {}
+
+
+#: the levels :func:`configure_events` takes by name
+EVENT_LEVELS: Final[tuple[str, ...]] = ("debug", "info", "warning", "error")
+#: timestamps to the microsecond: the events of one request (or one round of preemptions)
+#: often fall within the same second
+EVENT_TIME_FORMAT: Final[str] = "%Y-%m-%d %H:%M:%S.%f"
+
+
+def configure_events(level: int | str = logging.INFO) -> None:
+    """Configure structlog for a server that has no structlog configuration of its own:
+    kvbudget's events (and any other structlog event) at ``level`` and above (a name of
+    :data:`EVENT_LEVELS` or a :mod:`logging` level), rendered as structlog's defaults render
+    them but with timestamps to the microsecond (:data:`EVENT_TIME_FORMAT`). The servers'
+    ``--events`` / ``--kvbudget-events`` options call it; an application that configures
+    structlog itself does not need it."""
+    by_name = logging.getLevelNamesMapping()
+    if isinstance(level, str):
+        name = level.strip().lower()
+        if name not in EVENT_LEVELS:
+            raise InvalidInput("events", level, "one of " + ", ".join(EVENT_LEVELS))
+        level = by_name[name.upper()]
+    elif isinstance(level, bool) or level not in {by_name[n.upper()] for n in EVENT_LEVELS}:
+        raise InvalidInput("events", level, f"one of {', '.join(EVENT_LEVELS)} or its level")
+    # colours as structlog's defaults choose them: on a terminal, unless NO_COLOR; FORCE_COLOR
+    # anywhere (a server's log file gets none)
+    force = os.environ.get("FORCE_COLOR", "") != ""
+    tty = hasattr(sys.stdout, "isatty") and sys.stdout.isatty()
+    colors = os.environ.get("NO_COLOR", "") == "" and (force or tty)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.StackInfoRenderer(),
+            structlog.dev.set_exc_info,
+            structlog.processors.TimeStamper(fmt=EVENT_TIME_FORMAT, utc=False),
+            structlog.dev.ConsoleRenderer(colors=colors, force_colors=force),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+    )
 
 
 def get_logger(name: str = LOGGER_NAME) -> KvbudgetLogger:
@@ -776,12 +818,15 @@ def metric_names() -> list[str]:
 __all__ = [
     "COUNTERS",
     "EVENTS",
+    "EVENT_LEVELS",
+    "EVENT_TIME_FORMAT",
     "GAUGES",
     "SHELL_COUNTERS",
     "UNDERESTIMATION",
     "EventSpec",
     "KvbudgetLogger",
     "PrometheusExporter",
+    "configure_events",
     "emit",
     "format_snapshot",
     "get_logger",

@@ -60,6 +60,7 @@ from kvbudget.guard import (
     send_json,
 )
 from kvbudget.names import DEFAULT_MAX_TASKS, DEFAULT_MAX_TENANTS, NameLimits
+from kvbudget.observability import EVENT_LEVELS, configure_events
 from kvbudget.policy_options import POLICY_DEFAULT, add_first_token_pause_option, server_policy
 from kvbudget.validate import check_int
 from kvbudget.vllm import MAX_PARALLEL_SAMPLES, BudgetedEngine
@@ -433,6 +434,12 @@ def make_parser() -> Any:
     group.add_argument("--kvbudget-policy", default="calibrated", help="budget policy")
     add_first_token_pause_option(group, "--kvbudget-first-token-pause-share")
     group.add_argument(
+        "--kvbudget-events", default=None, choices=EVENT_LEVELS,
+        help="log kvbudget's structlog events from this level up, timestamped to the "
+             "microsecond (debug: every admission, extension and confirmation; default: info "
+             "and up, as structlog's defaults print them; see docs/operations.md)",
+    )
+    group.add_argument(
         "--kvbudget-classes", default=None, metavar="FILE",
         help="service classes: a JSON list of ServiceClass fields (default: interactive, batch)",
     )
@@ -494,6 +501,9 @@ async def serve(args: argparse.Namespace) -> None:
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
 
+    events = getattr(args, "kvbudget_events", None)
+    if events is not None:
+        configure_events(events)
     classes = load_classes(args.kvbudget_classes) if args.kvbudget_classes else None
     keys = None
     config = None
