@@ -74,9 +74,11 @@ Outcome of a request (SLO: TTFT <= 2 s and mean TPOT = (latency - TTFT) / (token
   output tokens, text consistent with the token ids (below), within both SLOs;
 * ``late``: the same but over either SLO;
   The mean TPOT forgives a long freeze inside a long answer, so each run also reports
-  ``frozen_streams`` (complete streams with a gap over ``FREEZE_GAP_S`` = 1 s between two
-  chunks), the p50 and max of each complete stream's longest gap (table: ``frozen``,
-  ``gap_max``) and ``good_unfrozen``: the good requests that never froze;
+  ``frozen_streams`` (complete interactive streams with a gap over ``FREEZE_GAP_S`` = 1 s
+  between two chunks), the p50 and max of each complete interactive stream's longest gap
+  (table: ``frozen``, ``gap_max``) and ``good_unfrozen``: the good requests whose stream never
+  froze. A batch stream may wait, checkpoint or be preempted by design and is read whole, so
+  its freezes are counted apart (``frozen_batch_streams``, with ``sent_batch``);
 * ``rejected``: HTTP 429 (kvbudget's overload answer); ``rejected_503``: HTTP 503 (vLLM's own
   queue cap answers 503). Measured here, vLLM's cap sometimes answers HTTP 200 and then a
   stream whose only message is an error event with code 503; an error event with code 503 / 429
@@ -1322,10 +1324,14 @@ def summarize(records: Sequence[Record], duration: float) -> dict[str, Any]:
     out["ttft_p99_s"] = _pct(ttfts, 99)
     out["tpot_p50_ms"] = None if not tpots else round(1000 * (_pct(tpots, 50) or 0.0), 1)
     out["tpot_p99_ms"] = None if not tpots else round(1000 * (_pct(tpots, 99) or 0.0), 1)
-    out.update(freeze_figures([max(r.itl) for r in done if r.itl]))
+    # (interactive streams only: a batch stream may wait, checkpoint or be preempted by
+    # design, and nobody reads it as it comes; its freezes are counted apart)
+    out.update(freeze_figures([max(r.itl) for r in done if r.itl and r.service_class != "batch"]))
     # good by the objective and never frozen: what the mean TPOT alone does not tell
     out["good_unfrozen"] = sum(
-        1 for r in records if r.outcome == "good" and max(r.itl, default=0.0) <= FREEZE_GAP_S
+        1 for r in records
+        if r.outcome == "good"
+        and (r.service_class == "batch" or max(r.itl, default=0.0) <= FREEZE_GAP_S)
     )
     out["rejected_in_stream"] = sum(1 for r in records if r.reason.startswith("in-stream"))
     out["text_checked"] = sum(1 for r in records if r.text_ok is not None)
@@ -1336,6 +1342,9 @@ def summarize(records: Sequence[Record], duration: float) -> dict[str, Any]:
     if batch:
         inter = [r for r in records if r.service_class != "batch"]
         out["sent_batch"] = len(batch)
+        out["frozen_batch_streams"] = sum(
+            1 for r in batch if r.outcome in COMPLETED and max(r.itl, default=0.0) > FREEZE_GAP_S
+        )
         out["good_batch"] = sum(1 for r in batch if r.outcome == "good")
         out["good_interactive"] = sum(1 for r in inter if r.outcome == "good")
         out["rejected_interactive"] = sum(1 for r in inter if r.outcome == "rejected")

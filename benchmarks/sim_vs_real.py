@@ -954,10 +954,12 @@ FREEZE_KEYS = tuple(sb.freeze_figures([]))
 
 
 def _freezes_of(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """serve_bench's freeze figures from one run's raw records (a run made before its summary
-    had them)."""
+    """serve_bench's freeze figures from one run's raw records (interactive streams only, as
+    :func:`sb.summarize` counts them now, whenever the run was made)."""
     return sb.freeze_figures([
-        max(r["itl"]) for r in records if r.get("outcome") in ("good", "late") and r.get("itl")
+        max(r["itl"]) for r in records
+        if r.get("outcome") in ("good", "late") and r.get("itl")
+        and r.get("service_class") != "batch"
     ])
 
 
@@ -1099,7 +1101,9 @@ def load_real(path: Path) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[st
             summaries = []
             for r in runs:
                 summary = _real_summary(r["summary"])
-                if summary["frozen_streams"] is None and r.get("records"):
+                if r.get("records"):
+                    # (from the records where they are kept: a run made before its summary
+                    # had the freezes, or before they left batch streams out, reads as now)
                     summary.update(_freezes_of(r["records"]))
                 summaries.append(summary)
             merged = dict(summaries[0])

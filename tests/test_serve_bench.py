@@ -171,6 +171,12 @@ def test_summarize_and_abandon_figures() -> None:
     good_frozen = _rec(outcome="good", itl=[0.01, 1.5, 0.01], token_chunks=4)
     assert sb.summarize([*recs, good_frozen], 2.0)["good_unfrozen"] == 2
     assert "good_unfrozen" in sb.table_header()
+    # a batch stream may be checkpointed by design: its freezes are counted apart
+    batch_frozen = _rec(outcome="good", itl=[0.01, 3.0, 0.01], token_chunks=4,
+                        service_class="batch")
+    mixed = sb.summarize([*recs, batch_frozen], 2.0)
+    assert (mixed["frozen_streams"], mixed["longest_gap_max_s"]) == (0, 0.3)
+    assert (mixed["frozen_batch_streams"], mixed["good_unfrozen"]) == (1, 3)
     a = sb.abandon_figures(recs, {"generation_tokens": 20.0, "budget_tokens": 99.0})
     assert (a["stayed"], a["left"], a["useful"], a["stalls"], a["stalled_requests"]) == (
         4, 1, 2, 1, 1

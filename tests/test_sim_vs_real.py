@@ -356,6 +356,9 @@ def test_freezes_real_and_simulated() -> None:
     assert svr._freezes_of(raw) == {
         "frozen_streams": 1, "longest_gap_p50_s": 0.2, "longest_gap_max_s": 4.0
     }
+    # a batch stream's freezes are not the interactive ones the simulator reports either
+    batch = {"outcome": "good", "itl": [7.0], "service_class": "batch"}
+    assert svr._freezes_of([*raw, batch]) == svr._freezes_of(raw)
 
 
 def test_abandon_in_the_simulator_leaves_after_k_tokens() -> None:
