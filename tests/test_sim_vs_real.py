@@ -619,6 +619,27 @@ def test_phase_gaps_split_the_streams_by_their_middle() -> None:
     assert real.gaps == (pytest.approx(0.05), pytest.approx(0.02))
 
 
+def test_a_run_paced_by_windows_keeps_its_clients_stalls() -> None:
+    """A slow window and the client's stalls as the driver's speed spans: a stall inside the
+    slow window runs at the stall speed of the window's speed, one past it at the stall speed;
+    the spans do not overlap and keep their order (the driver refuses overlapping ones)."""
+    windows = [(-1.0, 5.0, 0.5)]  # (begin, seconds, speed): slow until t = 4
+    stalls = [(2.0, 1.0), (6.0, 0.5)]
+    spans = svr.merged_spans(windows, stalls, 0.3)
+    assert spans == [
+        (-1.0, 3.0, 0.5), (2.0, 1.0, pytest.approx(0.15)), (3.0, 1.0, 0.5), (6.0, 0.5, 0.3)
+    ]
+    assert svr.merged_spans([], stalls, 0.3) == [(2.0, 1.0, 0.3), (6.0, 0.5, 0.3)]
+    assert svr.merged_spans(windows, [], 0.3) == windows
+    # (the driver takes them: sorted, not overlapping)
+    profile = svr.EngineProfile.load("vllm-cpu-tiny")
+    scenario, reqs = svr.sim_requests(svr.plan_workload("burst", 0, TOK))
+    engine = profile.engine_model()
+    plain = svr.simulate(reqs, scenario, engine, "reserve-current", stalls=windows)
+    both = svr.simulate(reqs, scenario, engine, "reserve-current", stalls=spans)
+    assert both.makespan_s > plain.makespan_s
+
+
 def test_the_pace_of_each_window_is_found_from_its_streams() -> None:
     """``--pace phases``: planted, the overload workload simulated with every step 1.6x as
     long in the first 2 s and 1.0x after (as vLLM's server ran in real runs: slow in its first
