@@ -678,32 +678,40 @@ def test_the_pace_of_each_window_is_found_from_its_streams() -> None:
     assert one_first.tpot_s < 0.9 * first.tpot_s
 
 
-def test_only_vllms_server_is_paced_by_default_and_each_run_says_its_scale(
+def test_both_servers_are_paced_by_their_streams_the_examples_without_its_pauses(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """With the run's records, vLLM's cell is simulated at its streams' pace and says the
-    scale it ran at; the kvbudget example's stays on its own profile (scale 1); ``--pace none``
-    leaves both at 1."""
+    """With the run's records, each server's cell is simulated at its streams' pace and says
+    the scale it ran at. The example's pace is read without each stream's pause (its longest
+    gap, where that is over ``PAUSE_GAP_S``): pauses are its policy's doing, which the
+    simulator predicts, not the engine's pace. ``--pace none`` leaves both at 1."""
     plan = svr.plan_workload("burst", 0, TOK)
-    for server, span in (("vllm", 3.0), ("kvbudget", 30.0)):
-        records = [
-            {"request_id": f"sb-{server}-burst-r0-abc-{p.index}", "start": 10.0,
-             "prompt_len": p.prompt_tokens, "output_len": p.output_tokens, "outcome": "good",
-             "output_tokens": p.output_tokens, "ttft": 0.1, "latency": 0.1 + span}
-            for p in plan
-        ]
+    for server, span, pause in (("vllm", 3.0, 0.0), ("kvbudget", 30.0, 27.0)):
+        records = []
+        for p in plan:
+            gaps = p.output_tokens - 1
+            itl = ([(span - pause) / (gaps - 1)] * (gaps - 1) + [pause] if pause
+                   else [span / gaps] * gaps)
+            records.append(
+                {"request_id": f"sb-{server}-burst-r0-abc-{p.index}", "start": 10.0,
+                 "prompt_len": p.prompt_tokens, "output_len": p.output_tokens,
+                 "outcome": "good", "output_tokens": p.output_tokens, "ttft": 0.1,
+                 "latency": 0.1 + span, "itl": itl}
+            )
         (tmp_path / f"records-burst-{server}-r0.json").write_text(json.dumps(
             {"summary": _summary(30, 0), "records": records}
         ))
-    assert svr.load_replays(tmp_path)[0].gaps["burst"]["vllm"] == pytest.approx(3.0 / 299)
+    gaps = svr.load_replays(tmp_path)[0].gaps["burst"]
+    assert gaps["vllm"] == pytest.approx(3.0 / 299)
+    assert gaps["kvbudget"] == pytest.approx(3.0 / 298)  # (not 30 s / 299: the pause is out)
     assert svr.parse_args([]).pace == "phases"
-    for pace, vllm_scaled in (("phases", True), ("run", True), ("none", False)):
+    for pace, scaled in (("phases", True), ("run", True), ("none", False)):
         assert svr.main(["--real", str(tmp_path), "--workload", "burst", "--pace", pace]) == 0
         out = _last_json(capsys.readouterr().out)
         burst = out["workloads"]["burst"]
-        assert (burst["vllm"]["sim"]["step_scale"] != 1.0) is vllm_scaled
-        assert burst["kvbudget"]["sim"]["step_scale"] == 1.0
-        assert out["meta"]["paced"] == (["vllm"] if vllm_scaled else [])
+        for server in ("vllm", "kvbudget"):
+            assert (burst[server]["sim"]["step_scale"] != 1.0) is scaled
+        assert out["meta"]["paced"] == (["vllm", "kvbudget"] if scaled else [])
 
 
 def test_mixed_is_serve_benchs_own_plan_and_its_backlog_is_batch() -> None:
