@@ -732,10 +732,8 @@ def real_streams(
         sent = float(r.get("start", t0)) - t0
         first = sent + float(r["ttft"])
         last = sent + float(r["latency"])
-        tokens, span = int(r["output_tokens"]), last - first
-        itl = r.get("itl") or ()
-        if without_pause and itl and max(itl) > PAUSE_GAP_S and tokens > 2:
-            tokens, span = tokens - 1, span - max(itl)
+        longest = max(r.get("itl") or (), default=None)
+        tokens, span = _paced(int(r["output_tokens"]), last - first, longest, without_pause)
         streams.append(((first + last) / 2, tokens, span))
     return streams
 
@@ -754,12 +752,20 @@ def sim_streams(
         if ttft is None or tpot is None:
             continue
         span = tpot * max(rec.output_tokens - 1, 0)
-        middle, tokens = rec.arrival_s + ttft + span / 2, rec.output_tokens
-        gap = rec.longest_gap_s
-        if without_pause and gap is not None and gap > PAUSE_GAP_S and tokens > 2:
-            tokens, span = tokens - 1, span - gap
+        middle = rec.arrival_s + ttft + span / 2
+        tokens, span = _paced(rec.output_tokens, span, rec.longest_gap_s, without_pause)
         streams.append((middle, tokens, span))
     return streams
+
+
+def _paced(
+    tokens: int, span: float, longest_gap: float | None, without_pause: bool
+) -> tuple[int, float]:
+    """A stream's ``(tokens, span)`` as its pace is read: ``without_pause``, less its longest
+    gap where that is a pause (over :data:`PAUSE_GAP_S`; a stream gives way at most once)."""
+    if without_pause and longest_gap is not None and longest_gap > PAUSE_GAP_S and tokens > 2:
+        return tokens - 1, span - longest_gap
+    return tokens, span
 
 
 def real_stream_gap(
@@ -940,12 +946,8 @@ def merged_spans(
         for b, d in stalls:
             if b <= lo and hi <= b + d:
                 speed *= stall_speed
-        if speed < 1.0 and hi > lo:
-            if out and out[-1][2] == speed and out[-1][0] + out[-1][1] == lo:
-                begin, _, _ = out.pop()
-                out.append((begin, hi - begin, speed))
-            else:
-                out.append((lo, hi - lo, speed))
+        if speed < 1.0:
+            out.append((lo, hi - lo, speed))
     return out
 
 
