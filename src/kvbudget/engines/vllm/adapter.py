@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import logging
 import math
 import operator
 import platform
@@ -1035,6 +1036,39 @@ PREFILL_PROBES = 8
 MAX_PARALLEL_SAMPLES = 16
 
 
+
+#: the logger of vLLM's logging stat logger, which logs a line per engine step
+#: ("Engine 000: Iteration(N): ...") once iteration details are on
+ITERATION_LOGGER = "vllm.v1.metrics.loggers"
+
+
+class _NoIterationLines(logging.Filter):
+    """Drops vLLM's per-step iteration line (its format string holds ``Iteration(%d)``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg
+        return not (isinstance(msg, str) and "Iteration(%d)" in msg)
+
+
+_NO_ITERATION_LINES = _NoIterationLines()
+
+
+def enable_step_details(engine_args: Any) -> None:
+    """Turn on vLLM's ``enable_logging_iteration_details`` in ``engine_args`` (every engine
+    step then reports its own time and prefill, for the cost model). Where this turns them on,
+    vLLM's per-step "Iteration(N)" line that comes with them is kept out of the log (a filter
+    on :data:`ITERATION_LOGGER`): at INFO it would be a line per engine step, thousands a
+    minute, and nobody asked for it. Engine args that have them on already keep their lines."""
+    if not hasattr(engine_args, "enable_logging_iteration_details"):
+        return
+    if engine_args.enable_logging_iteration_details:
+        return
+    engine_args.enable_logging_iteration_details = True
+    logger = logging.getLogger(ITERATION_LOGGER)
+    if _NO_ITERATION_LINES not in logger.filters:
+        logger.addFilter(_NO_ITERATION_LINES)
+
+
 class BudgetedEngine:
     """A vLLM ``AsyncLLM`` behind a kvbudget :class:`~kvbudget.Budget`.
 
@@ -1168,13 +1202,15 @@ class BudgetedEngine:
         (~15-20 s for the tiny CPU model). ``stat_loggers``: more factories for vLLM.
         ``step_details``: turn on vLLM's ``enable_logging_iteration_details`` so that every
         engine step reports its own time and the prompt tokens it prefilled, from which the
-        cost model learns the step time and the prefill cost per token (vLLM's logging stat
-        logger, present when vLLM logs at INFO, then also logs a line per step)."""
+        cost model learns the step time and the prefill cost per token. vLLM's logging stat
+        logger would then log a line per engine step at INFO; where kvbudget turned the details
+        on (the engine args had them off), that line is kept out of the log
+        (:func:`enable_step_details`)."""
         _require_vllm()
         from vllm.v1.engine import async_llm
 
-        if step_details and hasattr(engine_args, "enable_logging_iteration_details"):
-            engine_args.enable_logging_iteration_details = True
+        if step_details:
+            enable_step_details(engine_args)
 
         llm: Any = async_llm.AsyncLLM
         stats = EngineStats()
