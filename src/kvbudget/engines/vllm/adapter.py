@@ -1036,7 +1036,6 @@ PREFILL_PROBES = 8
 MAX_PARALLEL_SAMPLES = 16
 
 
-
 #: the logger of vLLM's logging stat logger, which logs a line per engine step
 #: ("Engine 000: Iteration(N): ...") once iteration details are on
 ITERATION_LOGGER = "vllm.v1.metrics.loggers"
