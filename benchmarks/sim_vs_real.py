@@ -129,7 +129,10 @@ Outcomes, the same rule on both sides (serve_bench's :func:`serve_bench.classify
 every requested token, TTFT <= 2 s and mean TPOT = (last token - first token) / (tokens - 1) <=
 100 ms; ``late`` = complete but over either objective; ``rejected`` = turned away (HTTP 429 or
 503); ``failed``; abandon also ``abandoned`` (the client left as planned). The sim's TTFT/TPOT
-are per request from the driver's records (``simulate(..., keep_requests=True)``).
+are per request from the driver's records (``simulate(..., keep_requests=True)``). The model's
+context (``MAX_MODEL_LEN``) acts as on both real servers (:class:`ContextLimits`): a prompt it
+cannot hold is refused before the engine and fails; a request whose output does not fit after
+its prompt runs to the context's end and fails, short of the tokens it asked for.
 
 Output: per workload and server a line of real and simulated good / late / rejected /
 abandoned, the relative error of good and whether it meets the issue's target (within 15 % or 5
@@ -473,6 +476,28 @@ def sim_requests(plan: Sequence[Planned]) -> tuple[Scenario, tuple[SimRequest, .
     return scenario, tuple(out)
 
 
+@dataclass(frozen=True)
+class ContextLimits:
+    """What the model's context (serve_bench's ``MAX_MODEL_LEN``) does to a plan, on both
+    servers alike: a prompt of that many tokens or more is refused with HTTP 400 before the
+    engine sees it (``refused``: how many); a request whose prompt and output do not fit gets
+    fewer tokens than it asked for, and serve_bench fails it (``cut``: its simulated request
+    id -> the tokens asked for; the simulator runs it to the hard maximum that does fit)."""
+
+    refused: int = 0
+    cut: Mapping[str, int] = field(default_factory=dict)
+
+
+def context_limits(plan: Sequence[Planned]) -> tuple[list[Planned], ContextLimits]:
+    """``plan`` without the requests the servers refuse, and :class:`ContextLimits` of it."""
+    kept = [p for p in plan if p.prompt_tokens < sb.MAX_MODEL_LEN]
+    cut = {
+        f"r{p.index}": p.output_tokens
+        for p in kept if p.prompt_tokens + p.output_tokens > sb.MAX_MODEL_LEN
+    }
+    return kept, ContextLimits(refused=len(plan) - len(kept), cut=cut)
+
+
 # -- classifying simulated requests --------------------------------------------------------------
 
 
@@ -504,14 +529,18 @@ class ClientView:
 _NO_STALLS = ClientView()
 
 
-def classify_sim(rec: RequestRecord, client: ClientView = _NO_STALLS) -> str:
+def classify_sim(
+    rec: RequestRecord, client: ClientView = _NO_STALLS, asked: int | None = None
+) -> str:
     """serve_bench's outcome of one simulated request (module docstring), as ``client``
-    times it."""
+    times it (``asked``: the tokens its client asked for, where the model's context cut the
+    request's hard maximum below them; else what it was expected to generate)."""
     if rec.end == "rejected":
         return "rejected"
     if rec.end == "abandoned":
         return "abandoned"
-    if rec.end != "completed" or rec.output_tokens != rec.expected_tokens:
+    wanted = rec.expected_tokens if asked is None else asked
+    if rec.end != "completed" or rec.output_tokens != wanted:
         return "failed"
     ttft, tpot = client.timing(rec)
     if ttft is None or tpot is None:
@@ -525,12 +554,18 @@ def classify_sim(rec: RequestRecord, client: ClientView = _NO_STALLS) -> str:
 
 
 def summarize_sim(
-    records: Sequence[RequestRecord], client: ClientView = _NO_STALLS
+    records: Sequence[RequestRecord], client: ClientView = _NO_STALLS,
+    limits: ContextLimits | None = None,
 ) -> dict[str, Any]:
     """Counts and figures of one simulated run, in serve_bench's terms (``client``: how the
-    client reads the streams)."""
-    outcomes = collections.Counter(classify_sim(r, client) for r in records)
-    out: dict[str, Any] = {"sent": len(records)}
+    client reads the streams; ``limits``: the requests of the plan the model's context
+    refused or cut, :func:`context_limits`)."""
+    limits = limits or ContextLimits()
+    outcomes = collections.Counter(
+        classify_sim(r, client, limits.cut.get(r.request_id)) for r in records
+    )
+    outcomes["failed"] += limits.refused
+    out: dict[str, Any] = {"sent": len(records) + limits.refused}
     for name in COUNTS:
         out[name] = outcomes.get(name, 0)
     starts = [r.arrival_s for r in records]
@@ -538,7 +573,10 @@ def summarize_sim(
     duration = (max(ends) - min(starts)) if ends and starts else 0.0
     out["duration_s"] = round(duration, 2)
     out["goodput"] = round(out["good"] / duration, 3) if duration > 0 else None
-    complete = [r for r in records if classify_sim(r, client) in ("good", "late")]
+    complete = [
+        r for r in records
+        if classify_sim(r, client, limits.cut.get(r.request_id)) in ("good", "late")
+    ]
     done = [client.timing(r) for r in complete]
     ttfts = sorted(t for t, _ in done if t is not None)
     tpots = sorted(t for _, t in done if t is not None)
@@ -610,7 +648,7 @@ def simulate_workloads(
     carried = {s: (LengthModel(), CostModel()) for s in SERVERS}
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name in [w for w in sb.WORKLOADS if w in names]:
-        plan = plan_workload(name, seed, tok, scale, bench_args)
+        plan, limits = context_limits(plan_workload(name, seed, tok, scale, bench_args))
         planned = sim_requests(plan)
         per: dict[str, dict[str, Any]] = {}
         own = replay.profiles.get(name, {}) if replay is not None else {}
@@ -670,7 +708,7 @@ def simulate_workloads(
                 )
             else:
                 (result, carried[server]), step_scale = run_at(1.0), 1.0
-            summary = summarize_sim(result.request_records, client)
+            summary = summarize_sim(result.request_records, client, limits)
             summary["step_scale"] = round(step_scale, 3)
             if window_scales is not None:
                 summary["window_step_scales"] = [round(x, 3) for x in window_scales]

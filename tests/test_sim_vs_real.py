@@ -741,3 +741,31 @@ def test_a_mixed_variant_is_planned_as_serve_bench_sends_it() -> None:
         (at, r.output_len, r.service_class) for at, r, _ in theirs
     ]
     assert sum(p.service_class == "batch" for p in plan) == 30
+
+
+def test_the_models_context_refuses_or_cuts_requests_as_the_servers_do() -> None:
+    # prompts of 1,620-1,980 tokens + 1 BOS with 135-165 out: some outputs do not fit in the
+    # 2,048 tokens after their prompt, no prompt is refused; at 1,710-2,090, some are refused
+    fits = ["--random-input-len=1800", "--random-range-ratio=0.1", "--random-output-len=150"]
+    over = ["--random-input-len=1900", "--random-range-ratio=0.1", "--random-output-len=100"]
+    for args in (fits, over):
+        plan = svr.plan_workload("moderate", 0, TOK, 0.25, args)
+        kept, limits = svr.context_limits(plan)
+        refused = [p for p in plan if p.prompt_tokens >= sb.MAX_MODEL_LEN]
+        cut = [p for p in kept if p.prompt_tokens + p.output_tokens > sb.MAX_MODEL_LEN]
+        assert limits.refused == len(refused) == len(plan) - len(kept)
+        assert limits.cut == {f"r{p.index}": p.output_tokens for p in cut}
+        sim = svr.simulate_workloads(
+            ["moderate"], profile=svr.EngineProfile.load("vllm-cpu-tiny"), scale=0.25,
+            bench_args=args,
+        )["moderate"]
+        for server in ("vllm", "kvbudget"):
+            s = sim[server]
+            assert s["sent"] == len(plan)
+            assert s["failed"] == len(refused) + len(cut)
+            assert s["good"] + s["late"] + s["rejected"] == len(plan) - s["failed"]
+    assert svr.context_limits(svr.plan_workload("moderate", 0, TOK, 0.25, over))[1].refused
+    only_cut = svr.context_limits(svr.plan_workload("moderate", 0, TOK, 0.25, fits))[1]
+    assert only_cut.cut and not only_cut.refused
+    assert svr.classify_sim(_sim_rec(output_tokens=60, expected_tokens=60), asked=80) == "failed"
+    assert svr.classify_sim(_sim_rec(output_tokens=60, expected_tokens=60), asked=60) == "good"
