@@ -58,8 +58,12 @@ when it completes within ``serve_bench.BATCH_DEADLINE_S``. Every request asks fo
 output length (``max_tokens`` = length, ``ignore_eos``).
 
 Servers in the simulator: ``vllm`` is the ``reserve-current`` baseline (vLLM v1 FCFS, no queue cap,
-victims freed at once); ``kvbudget`` is the example's policy (``--policy``, default ``calibrated``,
-with ``--first-token-pause-share`` where the run's ``--example-arg`` set it)
+victims freed at once); each ``vllm-cap<N>`` of the real run (serve_bench's vLLM server with
+``--max-num-queued-reqs N``) the same baseline with that cap (a caller refused with HTTP 503
+when the requests not yet finished would be more than N, as ``AsyncLLM`` refuses it), paced by
+its own streams as ``vllm`` is, and ranked with the others in the order check; ``kvbudget`` is
+the example's policy (``--policy``, default ``calibrated``, with ``--first-token-pause-share``
+where the run's ``--example-arg`` set it)
 with the example's service classes (``kvbudget.DEFAULT_CLASSES``: every request is ``interactive``
 but the mixed workload's backlog:
 TTFT objective 2 s, admission wait at most 2 s, latency floor 200 ms) and the default
@@ -152,6 +156,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import functools
 import itertools
 import json
 import math
@@ -178,7 +183,7 @@ import serve_bench as sb  # noqa: E402
 
 from kvbudget.core.cost import CostModel, StepTimeModel  # noqa: E402
 from kvbudget.core.lengths import LengthModel  # noqa: E402
-from kvbudget.core.policy import Policy  # noqa: E402
+from kvbudget.core.policy import Policy, make_policy  # noqa: E402
 from kvbudget.policy_options import (  # noqa: E402
     POLICY_DEFAULT,
     add_first_token_pause_option,
@@ -193,12 +198,41 @@ from kvbudget.sim.workload import TraceRequest, Workload  # noqa: E402
 
 _T = TypeVar("_T")
 
+#: the two servers every comparison has: vLLM's own and the kvbudget example
 SERVERS = ("vllm", "kvbudget")
+#: vLLM's own server with ``--max-num-queued-reqs N`` (serve_bench's ``vllm-cap<N>``), compared
+#: too where the real run has it: the same baseline with vLLM's queue cap
+CAPPED_VLLM = re.compile(r"^vllm-cap(\d+)$")
 #: the engine's speed while the client was stalled (``--stall-speed``): fitted on one run
 #: (docs/benchmarks.md)
 STALL_SPEED = 0.3
 #: the simulator's stand-in for vLLM's own server
 VLLM_POLICY = "reserve-current"
+
+
+def is_simulated(server: str) -> bool:
+    """Is ``server`` (a serve_bench server name) one this script simulates?"""
+    return server in SERVERS or CAPPED_VLLM.match(server) is not None
+
+
+def servers_in_order(names: Collection[str]) -> tuple[str, ...]:
+    """:data:`SERVERS` and the capped vLLM servers among ``names``, in serve_bench's order
+    (vLLM's server, the capped ones by cap, the example)."""
+    capped = sorted(
+        (n for n in names if CAPPED_VLLM.match(n)), key=lambda n: int(n.removeprefix("vllm-cap"))
+    )
+    return (SERVERS[0], *capped, *SERVERS[1:])
+
+
+def simulated_policy(server: str, example: ExamplePolicy) -> ExamplePolicy:
+    """The simulated policy of ``server``: the example's, or vLLM's baseline (with the cap of a
+    ``vllm-cap<N>``: ``max_num_queued_reqs`` N, refused callers answered 503 as vLLM does)."""
+    if server == "kvbudget":
+        return example
+    cap = CAPPED_VLLM.match(server)
+    if cap is None:
+        return VLLM_POLICY
+    return functools.partial(make_policy, VLLM_POLICY, max_num_queued_reqs=int(cap.group(1)))
 DEFAULT_PROFILE = "vllm-cpu-tiny"
 #: ``--engine-profile run``: the profile serve_bench kept from the kvbudget server of the real run
 RUN_PROFILE = "run"
@@ -624,6 +658,7 @@ def simulate_workloads(
     front_ends: Mapping[str, FrontEndModel] | None = None,
     paced: Collection[str] = (),
     pace: str = "phases",
+    servers: Sequence[str] = SERVERS,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``{workload: {server: summary}}`` of the simulated runs, workloads in serve_bench's order,
     each server's budget models carried from one workload to the next (module docstring).
@@ -637,22 +672,23 @@ def simulate_workloads(
     tokens as the engine makes them. ``paced``: servers whose engine runs at the pace the
     replayed run's own streams show, not the profile's: per window (``pace`` "phases",
     :func:`phased_simulation`; its summary also says ``window_step_scales``) or one for the run
-    (:func:`paced_simulation`; "run"); each such summary says its ``step_scale``."""
+    (:func:`paced_simulation`; "run"); each such summary says its ``step_scale``. ``servers``:
+    the servers simulated (:func:`servers_in_order`; each with :func:`simulated_policy`)."""
     send_times = replay.send_times if replay is not None else {}
     engine = profile.engine_model()
     engines = {
         s: attrs.evolve(engine, front_end=(front_ends or {}).get(s, engine.front_end))
-        for s in SERVERS
+        for s in servers
     }
-    policies = {"vllm": VLLM_POLICY, "kvbudget": policy}
-    carried = {s: (LengthModel(), CostModel()) for s in SERVERS}
+    policies = {s: simulated_policy(s, policy) for s in servers}
+    carried = {s: (LengthModel(), CostModel()) for s in servers}
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name in [w for w in sb.WORKLOADS if w in names]:
         plan, limits = context_limits(plan_workload(name, seed, tok, scale, bench_args))
         planned = sim_requests(plan)
         per: dict[str, dict[str, Any]] = {}
         own = replay.profiles.get(name, {}) if replay is not None else {}
-        for server in SERVERS:
+        for server in servers:
             engine_of = engines[server]
             if server in own:  # this run's own engine pace, from its own steps
                 engine_of = attrs.evolve(
@@ -1082,12 +1118,16 @@ def _runs(path: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
     ...]}``, each run's JSON as serve_bench wrote it (its ``summary`` and ``records``)."""
     grouped: dict[tuple[str, str], list[dict[str, Any]]] = collections.defaultdict(list)
     for workload in sb.WORKLOADS:
-        for server in SERVERS:
-            # (exact names: "kvbudget" must not pick up "kvbudget-serve"'s files)
-            pattern = re.compile(rf"^records-{re.escape(workload)}-{server}-r\d+\.json$")
-            for f in sorted(path.glob(f"records-{workload}-{server}-r*.json")):
-                if pattern.match(f.name):
-                    grouped[(workload, server)].append(json.loads(f.read_text(encoding="utf-8")))
+        # (whole names: "kvbudget" must not pick up "kvbudget-serve"'s files)
+        pattern = re.compile(rf"^records-{re.escape(workload)}-(.+)-r(\d+)\.json$")
+        found = []
+        for f in path.glob(f"records-{workload}-*-r*.json"):
+            m = pattern.match(f.name)
+            if m and is_simulated(m.group(1)):
+                found.append((m.group(1), int(m.group(2)), f))
+        rank = {n: i for i, n in enumerate(servers_in_order({n for n, _, _ in found}))}
+        for server, _k, f in sorted(found, key=lambda x: (rank[x[0]], x[1])):
+            grouped[(workload, server)].append(json.loads(f.read_text(encoding="utf-8")))
     return grouped
 
 
@@ -1119,7 +1159,7 @@ def front_ends_of(path: Path) -> dict[str, tuple[FrontEndModel, float]]:
     left out."""
     fitted: dict[str, tuple[FrontEndModel, float]] = {}
     for server, stretches in front_end_stretches(path).items():
-        if server in SERVERS and len(stretches) >= 2:
+        if is_simulated(server) and len(stretches) >= 2:
             fitted[server] = fit_front_end(stretches)
     return fitted
 
@@ -1164,7 +1204,8 @@ def load_replays(path: Path, stretches: bool = False) -> list[Replay]:
     runs = _runs(path) if path.is_dir() else {}
     count = max((len(v) for v in runs.values()), default=0)
     own = {
-        key: stretch_profiles(path, *key) for key in runs if stretches and key[1] != "vllm"
+        key: stretch_profiles(path, *key) for key in runs
+        if stretches and key[1] in PAUSING_SERVERS
     }
     replays = []
     for k in range(count):
@@ -1226,14 +1267,16 @@ def load_real(path: Path) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[st
             real.setdefault(workload, {})[server] = merged
             records.setdefault(workload, {})[server] = runs[0].get("records", [])
         if not real:
-            raise SystemExit(f"{path}: no records-<workload>-<vllm|kvbudget>-r<k>.json files")
+            raise SystemExit(
+                f"{path}: no records-<workload>-<vllm|vllm-cap<N>|kvbudget>-r<k>.json files"
+            )
         return real, records
     doc = result_line(path)
     if doc is None:
         raise SystemExit(f"{path}: no serve_bench JSON line ({{\"workloads\": ...}})")
     for workload, per in doc["workloads"].items():
         for server, summary in per.items():
-            if server in SERVERS:
+            if is_simulated(server):
                 real.setdefault(workload, {})[server] = _real_summary(summary)
     return real, records
 
@@ -1446,15 +1489,20 @@ def error(real: Mapping[str, Any], sim: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def same_order(real: Mapping[str, Any], sim: Mapping[str, Any]) -> bool:
-    """Do both sides rank the two servers' good the same way? A difference of at most
-    :data:`TARGET_REQUESTS` counts as a tie, which matches a tie or either order."""
+    """Do both sides rank the servers' good the same way, every pair of the servers both sides
+    have? A difference of at most :data:`TARGET_REQUESTS` counts as a tie, which matches a tie
+    or either order."""
 
     def sign(d: float) -> int:
         return 0 if abs(d) <= TARGET_REQUESTS else (1 if d > 0 else -1)
 
-    a = sign(float(real["vllm"]["good"]) - float(real["kvbudget"]["good"]))
-    b = sign(float(sim["vllm"]["good"]) - float(sim["kvbudget"]["good"]))
-    return a == b or a == 0 or b == 0
+    both = [x for x in real if x in sim]
+    for x, y in itertools.combinations(both, 2):
+        a = sign(float(real[x]["good"]) - float(real[y]["good"]))
+        b = sign(float(sim[x]["good"]) - float(sim[y]["good"]))
+        if not (a == b or a == 0 or b == 0):
+            return False
+    return True
 
 
 def compare(
@@ -1465,13 +1513,15 @@ def compare(
     for workload, per_sim in sim.items():
         per_real = real.get(workload, {})
         entry: dict[str, Any] = {}
-        for server in SERVERS:
+        for server in per_sim:
             r, s = per_real.get(server), per_sim.get(server)
             entry[server] = {
                 "real": r, "sim": s, "error": error(r, s) if r is not None and s else None
             }
         if all(per_real.get(x) is not None for x in SERVERS):
-            entry["same_order"] = same_order(per_real, per_sim)
+            entry["same_order"] = same_order(
+                per_real, {x: v for x, v in per_sim.items() if x in per_real}
+            )
         else:
             entry["same_order"] = None
         out[workload] = entry
@@ -1486,15 +1536,21 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def entry_servers(entry: Mapping[str, Any]) -> list[str]:
+    """The servers of one workload's comparison (:func:`compare`), in its order."""
+    return [k for k in entry if k != "same_order"]
+
+
 def format_table(result: Mapping[str, Mapping[str, Any]]) -> str:
     head = (
-        f"{'workload':<13} {'server':<9} {'good r/s':>10} {'late r/s':>10} {'rej r/s':>9} "
+        f"{'workload':<13} {'server':<10} {'good r/s':>10} {'late r/s':>10} {'rej r/s':>9} "
         f"{'aband r/s':>10} {'good err':>9} {'target':>6} {'ttft50 r/s':>13} "
         f"{'tpot50ms r/s':>12} {'frozen r/s':>10}  order"
     )
     lines = [head]
     for workload, entry in result.items():
-        for server in SERVERS:
+        servers = entry_servers(entry)
+        for server in servers:
             e = entry[server]
             r, s = e["real"] or {}, e["sim"] or {}
 
@@ -1504,11 +1560,11 @@ def format_table(result: Mapping[str, Mapping[str, Any]]) -> str:
             err = e["error"]
             rel = "-" if not err or err["good_rel"] is None else f"{100 * err['good_rel']:+.0f}%"
             ok = "-" if not err else ("ok" if err["within_target"] else "MISS")
-            order = "" if server != SERVERS[-1] else {
+            order = "" if server != servers[-1] else {
                 True: "same", False: "DIFFERENT", None: "-"
             }[entry["same_order"]]
             lines.append(
-                f"{workload:<13} {server:<9} {pair('good'):>10} {pair('late'):>10} "
+                f"{workload:<13} {server:<10} {pair('good'):>10} {pair('late'):>10} "
                 f"{pair('rejected'):>9} {pair('abandoned'):>10} {rel:>9} {ok:>6} "
                 f"{pair('ttft_p50_s'):>13} {pair('tpot_p50_ms'):>12} "
                 f"{pair('frozen_streams'):>10}  {order}"
@@ -1684,13 +1740,19 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{1e6 * fe.per_output_s:.1f} us per output (idle {100 * idle:.1f} % of a core)",
               file=sys.stderr)
     front_ends = {server: fe for server, (fe, _) in fitted.items()}
-    paced = PACED_SERVERS if opts.pace != "none" and send_times == "real" else ()
+    servers = servers_in_order({s for per in real.values() for s in per})
+    paced = (
+        tuple(s for s in servers if s in PACED_SERVERS or CAPPED_VLLM.match(s))
+        if opts.pace != "none" and send_times == "real"
+        else ()
+    )
     sim = median_of_runs([
         simulate_workloads(
             opts.workloads, profile=profile,
             policy=example_policy(opts.policy, opts.example_arg), seed=opts.seed,
             scale=opts.num_prompts_scale, tok=tok, bench_args=opts.bench_arg, replay=replay,
             stall_speed=opts.stall_speed, front_ends=front_ends, paced=paced, pace=opts.pace,
+            servers=servers,
         )
         for replay in replays
     ])
@@ -1733,7 +1795,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{speed['tpot_p50_ms_real']} ms, sim {speed['tpot_p50_ms_sim']} ms "
               f"(real / sim {speed['real_over_sim']})")
     misses = [
-        f"{w}/{s}" for w, e in result.items() for s in SERVERS
+        f"{w}/{s}" for w, e in result.items() for s in entry_servers(e)
         if e[s]["error"] and not e[s]["error"]["within_target"]
     ]
     order = [w for w, e in result.items() if e["same_order"] is False]
@@ -1754,7 +1816,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "engine_profile": profile.name,
             "step_scale": opts.step_scale,
             "paced": list(paced),
-            "policies": {"vllm": VLLM_POLICY, "kvbudget": opts.policy},
+            "policies": {
+                s: opts.policy if s == "kvbudget" else VLLM_POLICY + (
+                    f" (max_num_queued_reqs {s.removeprefix('vllm-cap')})" if s != "vllm" else ""
+                )
+                for s in servers
+            },
             "seed": opts.seed,
             "num_prompts_scale": opts.num_prompts_scale,
             "bench_args": list(opts.bench_arg),

@@ -201,9 +201,10 @@ def test_json_shape_from_a_serve_bench_json_file(
     }
     assert list(out["workloads"]) == ["burst"]
     burst = out["workloads"]["burst"]
-    assert set(burst) == {"vllm", "kvbudget", "same_order"}
+    # vLLM's server with its queue cap is compared too, as the same baseline with that cap
+    assert list(burst) == ["vllm", "vllm-cap16", "kvbudget", "same_order"]
     assert isinstance(burst["same_order"], bool)
-    for server in ("vllm", "kvbudget"):
+    for server in ("vllm", "vllm-cap16", "kvbudget"):
         assert set(burst[server]) == {"real", "sim", "error"}
         assert burst[server]["sim"]["sent"] == 30
         for key in ("good", "late", "rejected", "failed", "abandoned"):
@@ -211,7 +212,12 @@ def test_json_shape_from_a_serve_bench_json_file(
         assert set(burst[server]["error"]) >= {"good_rel", "good_diff", "within_target"}
     assert burst["vllm"]["real"]["good"] == 20 and burst["kvbudget"]["real"]["rejected"] == 9
     assert burst["vllm"]["sim"]["policy"] == "reserve-current"
+    assert burst["vllm-cap16"]["sim"]["policy"] == "reserve-current"
+    assert burst["vllm-cap16"]["real"]["good"] == 1
+    # the burst of 30 at once: the cap of 16 refuses 14 callers at once, as vLLM does
+    assert burst["vllm-cap16"]["sim"]["rejected"] == 14 and not burst["vllm"]["sim"]["rejected"]
     assert burst["kvbudget"]["sim"]["policy"] == "calibrated"
+    assert out["meta"]["policies"]["vllm-cap16"] == "reserve-current (max_num_queued_reqs 16)"
     assert out["meta"]["engine_profile"] == "vllm-cpu-tiny" and out["notes"]
 
 
@@ -219,7 +225,7 @@ def test_records_dir_and_translation_check(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     plan = svr.plan_workload("burst", 0, TOK)
-    for server in ("vllm", "kvbudget", "kvbudget-serve"):
+    for server in ("vllm", "kvbudget", "kvbudget-serve", "vllm-cap8", "vllm-cap16"):
         records = [
             {"request_id": f"sb-{server}-burst-r0-abc-{p.index}", "start": 100.0,
              "prompt_len": p.prompt_tokens + (p.index == 3), "output_len": p.output_tokens}
@@ -230,7 +236,9 @@ def test_records_dir_and_translation_check(
             {"summary": _summary(good, 30 - good if good < 30 else 0), "records": records}
         ))
     real, recs = svr.load_real(tmp_path)
-    assert set(real) == {"burst"} and set(real["burst"]) == {"vllm", "kvbudget"}
+    # kvbudget serve is not simulated; vLLM's server with each queue cap is, in cap order
+    assert set(real) == {"burst"}
+    assert list(real["burst"]) == ["vllm", "vllm-cap8", "vllm-cap16", "kvbudget"]
     assert real["burst"]["kvbudget"]["good"] == 25
     check = svr.translation_check({"burst": plan}, recs)
     assert check["burst"]["vllm"] == {
