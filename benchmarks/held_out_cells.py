@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/held_out_cells.py [--traces DIR] [--policy P ...] [--jobs 2]
         [--seed 0] [--cell SUBSTRING ...] [--limit N] [--json FILE] [--mooncake DIR]
+        [--simulate-arg ARG ...]
 
 Cells (37): the tiny CPU engine's profile (``vllm-cpu-tiny``) at 0.6x, 1x, 2x and 4x and the
 default engine model (Llama-2-7B on an A100) at 1x and 4x, on the five synthetic traces of
@@ -20,7 +21,10 @@ the substrings given. Each cell runs what ``kvbudget simulate --trace T --rate-s
 :mod:`kvbudget.cli`'s own builders; ``--limit N`` replays only each trace's first N requests (a
 quick look, not the table). Prints per cell and policy the good requests, goodput and
 interactive stalls; with calibrated and other policies, per cell the best other one and whether
-calibrated is >= it. Last line: one JSON object, ``{"cells": {NAME: {POLICY: {...}}}}``.
+calibrated is >= it. ``--simulate-arg ARG`` (repeatable) adds ``ARG`` to every cell's
+``kvbudget simulate`` arguments: the same cells under another scenario overlay
+(``--simulate-arg=--interactive-share=1.0 --simulate-arg=--abandon-share=0``). Last line: one
+JSON object, ``{"cells": {NAME: {POLICY: {...}}}}``.
 """
 
 from __future__ import annotations
@@ -150,6 +154,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--limit", type=int, default=None, help="each trace's first N requests")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--json", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--simulate-arg", action="append", default=[], metavar="ARG",
+                   help="one more `kvbudget simulate` argument for every cell (repeatable; "
+                        "another scenario overlay: --simulate-arg=--interactive-share=1.0)")
     ns = p.parse_args(argv)
     if ns.jobs < 1 or (ns.limit is not None and ns.limit < 1):
         p.error("--jobs and --limit must be >= 1")
@@ -168,7 +175,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with ProcessPoolExecutor(ns.jobs) as pool:
         futures = [
             pool.submit(
-                run_cell, simulate_argv(c, ns.traces, ns.azure, ns.seed, ns.limit, ns.mooncake),
+                run_cell,
+                simulate_argv(c, ns.traces, ns.azure, ns.seed, ns.limit, ns.mooncake)
+                + ns.simulate_arg,
                 pol,
             )
             for c, pol in jobs
@@ -192,7 +201,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         below = [n for n, v in judged.items() if not v["ok"]]
         print(f"calibrated >= every other policy in {len(judged) - len(below)} of {len(judged)} "
               f"cells" + (f"; below in {', '.join(below)}" if below else ""))
-    out = {"cells": table, "verdicts": judged, "seed": ns.seed, "limit": ns.limit}
+    out = {
+        "cells": table, "verdicts": judged, "seed": ns.seed, "limit": ns.limit,
+        "simulate_args": ns.simulate_arg,
+    }
     line = json.dumps(out)
     if ns.json is not None:
         ns.json.write_text(line + "\n", encoding="utf-8")
