@@ -209,30 +209,6 @@ STALL_SPEED = 0.3
 #: the simulator's stand-in for vLLM's own server
 VLLM_POLICY = "reserve-current"
 
-
-def is_simulated(server: str) -> bool:
-    """Is ``server`` (a serve_bench server name) one this script simulates?"""
-    return server in SERVERS or CAPPED_VLLM.match(server) is not None
-
-
-def servers_in_order(names: Collection[str]) -> tuple[str, ...]:
-    """:data:`SERVERS` and the capped vLLM servers among ``names``, in serve_bench's order
-    (vLLM's server, the capped ones by cap, the example)."""
-    capped = sorted(
-        (n for n in names if CAPPED_VLLM.match(n)), key=lambda n: int(n.removeprefix("vllm-cap"))
-    )
-    return (SERVERS[0], *capped, *SERVERS[1:])
-
-
-def simulated_policy(server: str, example: ExamplePolicy) -> ExamplePolicy:
-    """The simulated policy of ``server``: the example's, or vLLM's baseline (with the cap of a
-    ``vllm-cap<N>``: ``max_num_queued_reqs`` N, refused callers answered 503 as vLLM does)."""
-    if server == "kvbudget":
-        return example
-    cap = CAPPED_VLLM.match(server)
-    if cap is None:
-        return VLLM_POLICY
-    return functools.partial(make_policy, VLLM_POLICY, max_num_queued_reqs=int(cap.group(1)))
 DEFAULT_PROFILE = "vllm-cpu-tiny"
 #: ``--engine-profile run``: the profile serve_bench kept from the kvbudget server of the real run
 RUN_PROFILE = "run"
@@ -642,6 +618,43 @@ def example_policy(name: str, example_args: Sequence[str]) -> ExamplePolicy:
         return name
     share = known.first_token_pause_share
     return lambda: server_policy(name, share)
+
+
+def queue_cap(server: str) -> int | None:
+    """The ``--max-num-queued-reqs`` of a ``vllm-cap<N>`` server (None: any other server)."""
+    m = CAPPED_VLLM.match(server)
+    return int(m.group(1)) if m else None
+
+
+def is_simulated(server: str) -> bool:
+    """Is ``server`` (a serve_bench server name) one this script simulates?"""
+    return server in SERVERS or queue_cap(server) is not None
+
+
+def servers_in_order(names: Collection[str]) -> tuple[str, ...]:
+    """:data:`SERVERS` and the capped vLLM servers among ``names``, in serve_bench's order
+    (vLLM's server, the capped ones by cap, the example)."""
+    capped = sorted((n for n in names if queue_cap(n) is not None), key=queue_cap)
+    return (SERVERS[0], *capped, *SERVERS[1:])
+
+
+def simulated_policy(server: str, example: ExamplePolicy) -> ExamplePolicy:
+    """The simulated policy of ``server``: the example's, or vLLM's baseline (with the cap of a
+    ``vllm-cap<N>``: ``max_num_queued_reqs`` N, refused callers answered 503 as vLLM does)."""
+    if server == "kvbudget":
+        return example
+    cap = queue_cap(server)
+    if cap is None:
+        return VLLM_POLICY
+    return functools.partial(make_policy, VLLM_POLICY, max_num_queued_reqs=cap)
+
+
+def policy_name(server: str, example: str) -> str:
+    """How :func:`simulated_policy` of ``server`` is named in the output's meta."""
+    if server == "kvbudget":
+        return example
+    cap = queue_cap(server)
+    return VLLM_POLICY if cap is None else f"{VLLM_POLICY} (max_num_queued_reqs {cap})"
 
 
 def simulate_workloads(
@@ -1519,9 +1532,7 @@ def compare(
                 "real": r, "sim": s, "error": error(r, s) if r is not None and s else None
             }
         if all(per_real.get(x) is not None for x in SERVERS):
-            entry["same_order"] = same_order(
-                per_real, {x: v for x, v in per_sim.items() if x in per_real}
-            )
+            entry["same_order"] = same_order(per_real, per_sim)
         else:
             entry["same_order"] = None
         out[workload] = entry
@@ -1742,7 +1753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     front_ends = {server: fe for server, (fe, _) in fitted.items()}
     servers = servers_in_order({s for per in real.values() for s in per})
     paced = (
-        tuple(s for s in servers if s in PACED_SERVERS or CAPPED_VLLM.match(s))
+        tuple(s for s in servers if s in PACED_SERVERS or queue_cap(s) is not None)
         if opts.pace != "none" and send_times == "real"
         else ()
     )
@@ -1816,12 +1827,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "engine_profile": profile.name,
             "step_scale": opts.step_scale,
             "paced": list(paced),
-            "policies": {
-                s: opts.policy if s == "kvbudget" else VLLM_POLICY + (
-                    f" (max_num_queued_reqs {s.removeprefix('vllm-cap')})" if s != "vllm" else ""
-                )
-                for s in servers
-            },
+            "policies": {s: policy_name(s, opts.policy) for s in servers},
             "seed": opts.seed,
             "num_prompts_scale": opts.num_prompts_scale,
             "bench_args": list(opts.bench_arg),
