@@ -1356,6 +1356,17 @@ def summarize(records: Sequence[Record], duration: float) -> dict[str, Any]:
     return out
 
 
+def cpu_us_per_token(cpu_s: float | None, records: Sequence[Record]) -> float | None:
+    """Microseconds of ``cpu_s`` per output token the server reported streaming in
+    ``records`` (usage ``completion_tokens``; None without CPU figures or tokens). A run's
+    front-end CPU follows its length as much as its tokens, and servers that serve the same
+    callers over different durations differ by it: per token is the figure to compare."""
+    tokens = sum(r.output_tokens or 0 for r in records)
+    if cpu_s is None or tokens <= 0:
+        return None
+    return round(cpu_s / tokens * 1e6, 1)
+
+
 def abandon_figures(
     records: Sequence[Record], counters: Mapping[str, float | None]
 ) -> dict[str, Any]:
@@ -1696,6 +1707,9 @@ def finish_runs(runs: list[Run]) -> None:
         for key in ("frontend_cpu_s", "engine_cpu_s"):
             cpu = run.counters.get(key)
             s[key] = None if cpu is None else round(cpu, 2)
+        s["frontend_cpu_us_per_token"] = cpu_us_per_token(
+            run.counters.get("frontend_cpu_s"), run.records
+        )
         if run.counters.get("budget_preemptions") is not None:
             s["budget_preemptions"] = _int(run.counters["budget_preemptions"])
         if run.workload == "burst":

@@ -151,6 +151,14 @@ def test_without_proxies() -> None:
     assert env == {"K": "v", "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
 
 
+def test_front_end_cpu_is_also_given_per_output_token() -> None:
+    recs = [_rec(output_tokens=200), _rec(output_tokens=100), _rec(output_tokens=None)]
+    # 0.45 s over 300 tokens: 1,500 µs each; a record without usage adds nothing
+    assert sb.cpu_us_per_token(0.45, recs) == 1500.0
+    assert sb.cpu_us_per_token(None, recs) is None  # the server's process was not measured
+    assert sb.cpu_us_per_token(0.45, [_rec(output_tokens=None)]) is None  # no tokens at all
+
+
 def test_summarize_and_abandon_figures() -> None:
     recs = [
         _rec(outcome="good"),
