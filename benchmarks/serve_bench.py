@@ -490,6 +490,12 @@ class ServerSpec:
 _CAP_NAME = re.compile(r"^vllm-cap(\d+)$")
 
 
+def queue_cap(name: str) -> int | None:
+    """The ``--max-num-queued-reqs`` of a ``vllm-cap<N>`` server name (None: any other name)."""
+    m = _CAP_NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
 def parse_servers(servers: str | None, caps: str | None) -> list[ServerSpec]:
     """``--servers`` and ``--vllm-queue-cap`` -> the server kinds, in the order given.
 
@@ -514,8 +520,8 @@ def parse_servers(servers: str | None, caps: str | None) -> list[ServerSpec]:
             specs.append(ServerSpec("vllm", "vllm"))
         elif name in ("kvbudget", "kvbudget-serve"):
             specs.append(ServerSpec(name, name))
-        elif m := _CAP_NAME.match(name):
-            specs.append(ServerSpec(name, "vllm", int(m.group(1))))
+        elif (cap := queue_cap(name)) is not None:
+            specs.append(ServerSpec(name, "vllm", cap))
         else:
             raise ValueError(
                 f"unknown server {name!r}: expected vllm, vllm-cap<N>, kvbudget or "

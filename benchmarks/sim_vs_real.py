@@ -198,11 +198,10 @@ from kvbudget.sim.workload import TraceRequest, Workload  # noqa: E402
 
 _T = TypeVar("_T")
 
-#: the two servers every comparison has: vLLM's own and the kvbudget example
+#: the two servers every comparison has: vLLM's own and the kvbudget example (vLLM's own server
+#: with ``--max-num-queued-reqs N``, serve_bench's ``vllm-cap<N>``, is compared too where the
+#: real run has it: :func:`serve_bench.queue_cap`)
 SERVERS = ("vllm", "kvbudget")
-#: vLLM's own server with ``--max-num-queued-reqs N`` (serve_bench's ``vllm-cap<N>``), compared
-#: too where the real run has it: the same baseline with vLLM's queue cap
-CAPPED_VLLM = re.compile(r"^vllm-cap(\d+)$")
 #: the engine's speed while the client was stalled (``--stall-speed``): fitted on one run
 #: (docs/benchmarks.md)
 STALL_SPEED = 0.3
@@ -620,21 +619,15 @@ def example_policy(name: str, example_args: Sequence[str]) -> ExamplePolicy:
     return lambda: server_policy(name, share)
 
 
-def queue_cap(server: str) -> int | None:
-    """The ``--max-num-queued-reqs`` of a ``vllm-cap<N>`` server (None: any other server)."""
-    m = CAPPED_VLLM.match(server)
-    return int(m.group(1)) if m else None
-
-
 def is_simulated(server: str) -> bool:
     """Is ``server`` (a serve_bench server name) one this script simulates?"""
-    return server in SERVERS or queue_cap(server) is not None
+    return server in SERVERS or sb.queue_cap(server) is not None
 
 
 def servers_in_order(names: Collection[str]) -> tuple[str, ...]:
     """:data:`SERVERS` and the capped vLLM servers among ``names``, in serve_bench's order
     (vLLM's server, the capped ones by cap, the example)."""
-    capped = sorted((n for n in names if queue_cap(n) is not None), key=queue_cap)
+    capped = sorted((n for n in names if sb.queue_cap(n) is not None), key=sb.queue_cap)
     return (SERVERS[0], *capped, *SERVERS[1:])
 
 
@@ -643,7 +636,7 @@ def simulated_policy(server: str, example: ExamplePolicy) -> ExamplePolicy:
     ``vllm-cap<N>``: ``max_num_queued_reqs`` N, refused callers answered 503 as vLLM does)."""
     if server == "kvbudget":
         return example
-    cap = queue_cap(server)
+    cap = sb.queue_cap(server)
     if cap is None:
         return VLLM_POLICY
     return functools.partial(make_policy, VLLM_POLICY, max_num_queued_reqs=cap)
@@ -653,7 +646,7 @@ def policy_name(server: str, example: str) -> str:
     """How :func:`simulated_policy` of ``server`` is named in the output's meta."""
     if server == "kvbudget":
         return example
-    cap = queue_cap(server)
+    cap = sb.queue_cap(server)
     return VLLM_POLICY if cap is None else f"{VLLM_POLICY} (max_num_queued_reqs {cap})"
 
 
@@ -1753,7 +1746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     front_ends = {server: fe for server, (fe, _) in fitted.items()}
     servers = servers_in_order({s for per in real.values() for s in per})
     paced = (
-        tuple(s for s in servers if s in PACED_SERVERS or queue_cap(s) is not None)
+        tuple(s for s in servers if s in PACED_SERVERS or sb.queue_cap(s) is not None)
         if opts.pace != "none" and send_times == "real"
         else ()
     )
