@@ -2032,10 +2032,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             meta["nice"] = opts.server_nice
             try:
                 with srv:
-                    meta.setdefault("startups_s", []).append(round(srv.startup_s or 0.0, 1))
-                    meta["startup_s"] = meta["startups_s"][0]
+                    startup_s = round(srv.startup_s or 0.0, 1)
+                    meta.setdefault("startups_s", []).append(startup_s)  # (one per start)
                     meta["session_niced"] = srv.session_niced
-                    print(f"# {spec.name} healthy after {meta['startups_s'][-1]} s"
+                    print(f"# {spec.name} healthy after {startup_s} s"
                           f" (nice {srv.nice}, session too: {srv.session_niced})", flush=True)
                     for rep in reps:
                         for name in opts.workloads:
@@ -2049,10 +2049,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     srv.dump(out_dir, suffix)
             except ServerError as exc:
                 meta.setdefault("errors", []).append(str(exc))
-                meta["error"] = meta["errors"][0]
                 print(f"! {spec.name}: {exc}\n--- server log tail ({log_path}):\n"
                       f"{tail(log_path)}", file=sys.stderr, flush=True)
-            meta["shutdown_s"] = None if srv.shutdown_s is None else round(srv.shutdown_s, 1)
+            meta.setdefault("shutdowns_s", []).append(
+                None if srv.shutdown_s is None else round(srv.shutdown_s, 1)
+            )
 
         finish_runs(runs)
         if opts.out is not None:
