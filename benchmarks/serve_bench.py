@@ -733,8 +733,9 @@ class ServerProcess:
             (out_dir / f"snapshot-{name}.json").write_text(
                 json.dumps(snap, indent=1), encoding="utf-8"
             )
-        # the engine profile fitted from this server's steps over the whole run (the same
-        # engine settings as every server here): sim_vs_real --engine-profile run reads it
+        # the engine profile fitted from this server's steps since this start (the whole run
+        # unless rotated; the same engine settings as every server here): sim_vs_real
+        # --engine-profile run reads the first start's, where no run kept its own
         profile = self.engine_profile()
         if profile is not None:
             (out_dir / f"engine-profile-{name}.json").write_text(

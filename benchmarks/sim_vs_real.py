@@ -69,14 +69,16 @@ but the mixed workload's backlog:
 TTFT objective 2 s, admission wait at most 2 s, latency floor 200 ms) and the default
 ``SchedulerConfig``. The engine is a fitted profile (``--engine-profile``): ``run`` (the default) is
 the profile the kvbudget server fitted from its own engine steps over the real run (serve_bench
-keeps it as ``engine-profile-kvbudget.json`` in its ``--out`` directory): the same engine on the
+keeps it as ``engine-profile-kvbudget.json`` in its ``--out`` directory; with rotated repeats its
+first start's, each run's own beside it): the same engine on the
 same machine in the same stretch of time, so the machine's speed, which varies by tens of percent
 between runs, is the real run's; without it (or with ``--real`` naming a JSON file or an older run)
 the shipped ``vllm-cpu-tiny``. A file or a shipped name picks one explicitly. The engine's timing
 and (where the records are at hand) the client's send times are the only things read from the run:
 good / late / rejected are predicted from them. As in the real run, one server process serves the
 workloads one after the other, so the budget's length and step-cost models are carried from one
-workload to the next in serve_bench's order.
+workload to the next in serve_bench's order; each repeat starts from fresh models, as a server
+serve_bench restarts for each repeat (``--rotate``, its default) does.
 
 vLLM's server's pace (``--pace run``, the default where the run's records are at hand). Nothing in
 the run times the steps of vLLM's own server's engine, and the example's profile is its own engine's
