@@ -1447,7 +1447,37 @@ def install_strict_request_func() -> None:
 
 
 def num_prompts(workload: Workload, scale: float) -> int:
+    """How many requests a run of ``workload`` sends: its own count times ``scale``
+    (``--num-prompts-scale``), or a ``--num-prompts`` among its arguments (a ``--bench-arg``)
+    as given."""
+    given = bench_flags(workload.bench_args).get("num_prompts")
+    if given is not None:
+        return int(given)
     return max(1, round(workload.num_prompts * scale))
+
+
+def bench_flags(args: Sequence[str]) -> dict[str, str | None]:
+    """``vllm bench serve`` arguments ``args`` by option, under argparse's name for it
+    (``--random-input-len`` is ``random_input_len``), the last one given winning; None for an
+    option without a value. ``--flag=value`` and ``--flag value`` alike; a value past an
+    option's first is skipped."""
+    out: dict[str, str | None] = {}
+    k = 0
+    while k < len(args):
+        arg = args[k]
+        k += 1
+        if not arg.startswith("--"):
+            continue
+        flag, eq, value = arg.partition("=")
+        key = flag.removeprefix("--").replace("-", "_")
+        if eq:
+            out[key] = value
+        elif k < len(args) and not args[k].startswith("--"):
+            out[key] = args[k]
+            k += 1
+        else:
+            out[key] = None
+    return out
 
 
 def requests_sent(result: Mapping[str, Any], n: int) -> int:

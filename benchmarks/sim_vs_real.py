@@ -32,7 +32,12 @@ sampled one plus the tokenizer's special tokens (the BOS the server adds) plus t
 ``--random-prefix-len``, which becomes a shared system prompt whose full blocks the simulated
 engine's prefix cache holds once. vLLM's ``prefix_repetition`` dataset (``multi-prefix``) is planned
 as :func:`vllm_prefix_repetition_plan` draws it: each request's prefix after vLLM's shuffle, one
-shared system prompt per prefix. ``--bench-arg`` is serve_bench's (with ``--real``, the run's own).
+shared system prompt per prefix. ``--bench-arg`` is serve_bench's (with ``--real``, the run's own):
+vLLM's general ``--input-len`` / ``--output-len`` replace the datasets' lengths as vLLM maps them,
+and one naming the dataset, the count or the seed replaces serve_bench's; another dataset is
+refused by name, and the output warns (JSON ``meta.unmodelled``) of options the simulated
+requests do not follow, and of those (``--max-concurrency``, the ramp-up) that only the real
+client's send times carry where the planned ones stand in.
 Where the real run's records are at hand (an ``--out`` directory), each server's requests
 arrive when the real client sent them to it (``--send-times``, default ``auto``; ``planned`` keeps
 the plan): a client that is not scheduled for a while sends what fell due at once, and those
@@ -308,16 +313,64 @@ _BENCH_DEFAULTS = {
 }
 
 
+#: ``vllm bench serve`` options the plan reads besides :data:`_BENCH_DEFAULTS`: vLLM's general
+#: lengths (``--input-len``, ``--output-len``), and the dataset, count and seed that serve_bench
+#: passes itself and a ``--bench-arg`` may override (the last one given wins, as in argparse)
+_BENCH_PLANNED = frozenset({"input_len", "output_len", "dataset_name", "num_prompts", "seed"})
+#: options that change neither what is sent nor when: sampling (every request runs to its length,
+#: ``ignore_eos``), reporting and connection
+_BENCH_NO_EFFECT = frozenset({
+    "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+    "repetition_penalty", "ignore_eos", "percentile_metrics", "metric_percentiles", "goodput",
+    "save_result", "save_detailed", "append_result", "result_dir", "result_filename", "label",
+    "metadata", "disable_tqdm", "plot_timeline", "plot_dataset_stats", "timeline_itl_thresholds",
+    "backend", "base_url", "host", "port", "endpoint", "model", "served_model_name", "tokenizer",
+    "tokenizer_mode", "trust_remote_code", "header", "insecure", "ready_check_timeout_sec",
+    "request_id_prefix", "extra_body",
+})
+#: options that shape when requests are sent, which the planned send times leave out: only the
+#: real client's send times (a run's records) carry them
+_BENCH_SEND_TIMES = frozenset(
+    {"max_concurrency", "ramp_up_strategy", "ramp_up_start_rps", "ramp_up_end_rps"}
+)
+#: the datasets the plan draws as vLLM's client does
+_PLANNED_DATASETS = ("random", "prefix_repetition")
+
+
 def bench_options(workload: sb.Workload) -> dict[str, float]:
     """The dataset and arrival options of a ``vllm-bench`` workload (vLLM's defaults where its
-    ``bench_args`` say nothing)."""
+    ``bench_args`` say nothing). vLLM's general ``--input-len`` and ``--output-len`` replace the
+    datasets' own lengths whatever their order, as ``vllm.benchmarks.serve.main`` maps them
+    ("Map general length options to dataset-specific arguments")."""
+    flags = sb.bench_flags(workload.bench_args)
     out = dict(_BENCH_DEFAULTS)
-    args = list(workload.bench_args)
-    for flag, value in zip(args[::2], args[1::2], strict=True):
-        key = flag.removeprefix("--").replace("-", "_")
-        if key in out:
+    for key in out:
+        value = flags.get(key)
+        if value is not None:
             out[key] = float(value)
+    if flags.get("input_len") is not None:
+        out["random_input_len"] = float(flags["input_len"] or 0)
+    if flags.get("output_len") is not None:
+        out["random_output_len"] = out["prefix_repetition_output_len"] = float(
+            flags["output_len"] or 0
+        )
     return out
+
+
+def unmodelled_bench_args(workload: sb.Workload) -> tuple[list[str], list[str]]:
+    """The ``--bench-arg`` options of ``workload`` the simulated requests do not follow: (those
+    the plan does not read at all, those only a run's real send times carry). Options that do not
+    change what is sent or when (:data:`_BENCH_NO_EFFECT`) are neither."""
+    if workload.kind in sb.OWN_CLIENT_PLANS:
+        return [], []  # (serve_bench's own client reads only its own options)
+    ignored: list[str] = []
+    send_times: list[str] = []
+    for key in sb.bench_flags(workload.bench_args):
+        if key in _BENCH_DEFAULTS or key in _BENCH_PLANNED or key in _BENCH_NO_EFFECT:
+            continue
+        flag = "--" + key.replace("_", "-")
+        (send_times if key in _BENCH_SEND_TIMES else ignored).append(flag)
+    return ignored, send_times
 
 
 def vllm_random_plan(
@@ -440,9 +493,42 @@ def plan_workload(
     n = sb.num_prompts(workload, scale)
     if workload.kind in sb.OWN_CLIENT_PLANS:
         return own_client_plan(workload, n, seed, tok)
-    if workload.dataset == "prefix_repetition":
+    # (serve_bench passes the dataset and seed before the workload's own arguments)
+    flags = sb.bench_flags(workload.bench_args)
+    dataset = flags.get("dataset_name") or workload.dataset
+    if flags.get("seed") is not None:
+        seed = int(flags["seed"] or 0)
+    if dataset == "prefix_repetition":
         return vllm_prefix_repetition_plan(workload, n, seed, tok)
-    return vllm_random_plan(workload, n, seed, tok)
+    if dataset == "random":
+        return vllm_random_plan(workload, n, seed, tok)
+    raise ValueError(
+        f"{name}: --dataset-name {dataset} is not planned: the simulator draws vLLM's "
+        f"{' and '.join(_PLANNED_DATASETS)} datasets as its client does"
+    )
+
+
+def unmodelled_notes(
+    workloads: Sequence[str], bench_args: Sequence[str], send_times: str
+) -> list[str]:
+    """What the simulated requests leave out of ``bench_args`` (:func:`unmodelled_bench_args`),
+    one line per kind: options the plan does not read, and options that shape the send times
+    where the planned ones stand in for the client's (``send_times`` "planned")."""
+    ignored: dict[str, None] = {}
+    timing: dict[str, None] = {}
+    for name in workloads:
+        i, t = unmodelled_bench_args(sb.WORKLOADS[name].with_args(bench_args))
+        ignored.update(dict.fromkeys(i))
+        timing.update(dict.fromkeys(t))
+    notes = []
+    if ignored:
+        notes.append(f"not modelled: {', '.join(ignored)} (the simulated requests are drawn "
+                     "without them)")
+    if timing and send_times == "planned":
+        notes.append(f"{', '.join(timing)}: when the client sends depends on it, and the "
+                     "planned send times leave it out: replay a run that kept its records "
+                     "(--real DIR)")
+    return notes
 
 
 def scenario_for() -> Scenario:
@@ -1731,6 +1817,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.send_times == "real" and not records:
         raise SystemExit("--send-times real needs the real run's records (a serve_bench --out DIR)")
     send_times = "planned" if opts.send_times == "planned" or not records else "real"
+    try:
+        plans = {
+            w: plan_workload(w, opts.seed, tok, opts.num_prompts_scale, opts.bench_arg)
+            for w in opts.workloads
+        }
+    except ValueError as exc:
+        raise SystemExit(f"sim_vs_real: {exc}") from None
+    unmodelled = unmodelled_notes(opts.workloads, opts.bench_arg, send_times)
     # each real run replayed with its own client (records come from a run directory)
     replays: list[Replay | None] = (
         list(load_replays(run_dir, stretches=opts.pace != "none"))
@@ -1763,10 +1857,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         for replay in replays
     ])
     result = compare(real, sim)
-    plans = {
-        w: plan_workload(w, opts.seed, tok, opts.num_prompts_scale, opts.bench_arg)
-        for w in opts.workloads
-    }
     checks = translation_check(plans, records)
     print("real / sim per workload and server (rej = HTTP 429 + 503; good err = (sim - real) "
           f"/ real; target: within {100 * TARGET_SHARE:.0f} % or {TARGET_REQUESTS} requests)")
@@ -1779,6 +1869,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"# WARNING: the simulated requests are not the ones the real client sent in "
               f"{', '.join(foreign)} (prompt or output lengths differ): give the --bench-arg, "
               f"--seed and --num-prompts-scale that run was made with")
+    for note in unmodelled:
+        print(f"# WARNING: {note}")
     print("# the simulator does not model:")
     for note in NOTES:
         print(f"#  - {note}")
@@ -1827,6 +1919,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "num_prompts_scale": opts.num_prompts_scale,
             "bench_args": list(opts.bench_arg),
             "example_args": list(opts.example_arg),
+            "unmodelled": unmodelled,
             "send_times": send_times,
             "stall_speed": opts.stall_speed,
             "front_ends": {

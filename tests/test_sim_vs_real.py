@@ -64,6 +64,60 @@ def test_options_default_as_vllm() -> None:
     assert o["burstiness"] == 1 and o["random_prefix_len"] == 0
 
 
+def test_bench_flags_read_as_argparse_reads_them() -> None:
+    flags = sb.bench_flags([
+        "--random-input-len", "100", "--disable-shuffle", "--seed=3", "--goodput", "ttft:1",
+        "tpot:2", "--random-input-len=200", "--use-beam-search",
+    ])
+    assert flags == {
+        "random_input_len": "200", "disable_shuffle": None, "seed": "3", "goodput": "ttft:1",
+        "use_beam_search": None,
+    }
+
+
+def test_vllms_general_lengths_replace_the_datasets_own_whatever_their_order() -> None:
+    # vllm.benchmarks.serve.main maps --input-len / --output-len over the datasets' lengths
+    for extra in (["--output-len=64"], ["--output-len=64", "--random-output-len=300"]):
+        w = sb.WORKLOADS["moderate"].with_args([*extra, "--input-len", "300"])
+        o = svr.bench_options(w)
+        assert (o["random_output_len"], o["random_input_len"]) == (64, 300)
+    plan = svr.plan_workload("moderate", 0, TOK, bench_args=["--output-len=64"])
+    assert all(32 <= p.output_tokens <= 96 for p in plan)  # 64 +- 50 %, the workload's ratio
+    multi = svr.plan_workload("multi-prefix", 0, TOK, bench_args=["--output-len=64"])
+    assert {p.output_tokens for p in multi} == {64}
+
+
+def test_a_bench_arg_overrides_the_dataset_count_and_seed_serve_bench_passes() -> None:
+    plan = svr.plan_workload(
+        "overload", 0, TOK,
+        bench_args=["--dataset-name=prefix_repetition", "--num-prompts=20",
+                    "--prefix-repetition-num-prefixes=4"],
+    )
+    assert len(plan) == 20
+    assert collections.Counter(p.system_prompt for p in plan) == {k: 5 for k in range(4)}
+    seeded = svr.plan_workload("moderate", 0, TOK, bench_args=["--seed=7"])
+    assert [p.output_tokens for p in seeded] == [
+        p.output_tokens for p in svr.plan_workload("moderate", 7, TOK)
+    ]
+    with pytest.raises(ValueError, match="--dataset-name sharegpt is not planned"):
+        svr.plan_workload("moderate", 0, TOK, bench_args=["--dataset-name=sharegpt"])
+
+
+def test_the_bench_args_the_simulator_does_not_follow_are_named() -> None:
+    args = ["--max-concurrency=8", "--use-beam-search", "--temperature=0.3", "--output-len=9"]
+    w = sb.WORKLOADS["overload"].with_args(args)
+    assert svr.unmodelled_bench_args(w) == (["--use-beam-search"], ["--max-concurrency"])
+    # serve_bench's own client takes none of vLLM's arguments
+    assert svr.unmodelled_bench_args(sb.WORKLOADS["abandon"].with_args(args)) == ([], [])
+    planned = svr.unmodelled_notes(["overload", "abandon"], args, "planned")
+    assert len(planned) == 2
+    assert "--use-beam-search" in planned[0] and "--max-concurrency" in planned[1]
+    # the real client's send times carry a concurrency limit
+    real = svr.unmodelled_notes(["overload"], args, "real")
+    assert len(real) == 1 and "--use-beam-search" in real[0]
+    assert svr.unmodelled_notes(["overload"], ["--temperature=0"], "planned") == []
+
+
 def test_abandon_is_serve_benchs_own_plan() -> None:
     plan = svr.plan_workload("abandon", 0, TOK)
     theirs = sb.abandon_plan(80, 0, "x-", TOK.vocab_size, TOK.special_ids)
