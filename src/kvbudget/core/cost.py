@@ -114,6 +114,68 @@ _FT_RESIDUALS_MIN: Final = 8
 _TRACE_MAX: Final = 3.0 * _P0  # bound on trace(P): no covariance wind-up without excitation
 
 
+def _nearest_nonnegative(theta: list[float], p: list[list[float]]) -> list[float]:
+    """The non-negative coefficients nearest ``theta`` in the metric of its covariance ``p``:
+    ``theta`` itself where none is negative, else, of the ways to hold some coefficients at 0
+    and condition the others on that (``theta_F - p_FS p_SS^-1 theta_S``), the one that leaves
+    none negative at the least distance ``theta_S' p_SS^-1 theta_S``.
+
+    Why not each negative coefficient read as 0 on its own: a real engine's batch size and
+    context move together, and the recursion often explains a step with a negative cost per
+    sequence offset by a steeper cost per context token. Reading only the negative one as 0
+    keeps the steep slope: over vLLM on this machine, a fit from steps of 1-5 sequences then
+    predicted 9-14 ms for a step of 15 that took 3 ms (docs/benchmarks.md, twenty-second
+    session). Conditioning keeps what the steps observed determine (here the slope along
+    sequences and context together) and refits the rest without the negative one.
+    """
+    if theta[0] >= 0.0 and theta[1] >= 0.0 and theta[2] >= 0.0:
+        return theta
+    best: list[float] | None = None
+    best_distance = math.inf
+    for held in _HELD_AT_ZERO:
+        free = [i for i in range(3) if i not in held]
+        inverse = _inverse([[p[i][j] for j in held] for i in held])
+        if inverse is None:
+            continue
+        at = [theta[i] for i in held]
+        weights = [sum(inverse[a][b] * at[b] for b in range(len(held))) for a in range(len(held))]
+        distance = sum(at[a] * weights[a] for a in range(len(held)))
+        if distance >= best_distance:
+            continue
+        candidate = [0.0, 0.0, 0.0]
+        for i in free:
+            candidate[i] = theta[i] - sum(p[i][held[a]] * weights[a] for a in range(len(held)))
+        if all(candidate[i] >= 0.0 for i in free):
+            best, best_distance = candidate, distance
+    return best if best is not None else [0.0, 0.0, 0.0]
+
+
+#: the coefficients a read may hold at 0, every non-empty subset of the three
+_HELD_AT_ZERO: Final = ((0,), (1,), (2,), (0, 1), (0, 2), (1, 2), (0, 1, 2))
+
+
+def _inverse(m: list[list[float]]) -> list[list[float]] | None:
+    """The inverse of the symmetric 1x1, 2x2 or 3x3 ``m`` (None where it is singular)."""
+    n = len(m)
+    if n == 1:
+        return [[1.0 / m[0][0]]] if m[0][0] > 0.0 else None
+    if n == 2:
+        det = m[0][0] * m[1][1] - m[0][1] * m[1][0]
+        if not det > 1e-12 * abs(m[0][0] * m[1][1]) or det == 0.0:
+            return None
+        return [[m[1][1] / det, -m[0][1] / det], [-m[1][0] / det, m[0][0] / det]]
+    (a, b, c), (d, e, f), (g, h, k) = m
+    co = [
+        [e * k - f * h, c * h - b * k, b * f - c * e],
+        [f * g - d * k, a * k - c * g, c * d - a * f],
+        [d * h - e * g, b * g - a * h, a * e - b * d],
+    ]
+    det = a * co[0][0] + b * co[1][0] + c * co[2][0]
+    if not abs(det) > 1e-12 * abs(a * e * k) or det == 0.0:
+        return None
+    return [[x / det for x in row] for row in co]
+
+
 class CostModel:
     """Online step-time model: a prior refitted by recursive least squares with forgetting.
 
@@ -121,10 +183,10 @@ class CostModel:
     updates (fixed, per_seq, per_context_token) by one RLS step with forgetting factor
     ``forgetting`` (an observation ``k`` steps old weighs ``forgetting ** k``); each
     :meth:`observe_prefill` updates ``prefill_per_token_s`` the same way. Coefficients are
-    read projected onto >= 0, and the covariance trace is bounded so that
+    read non-negative (:meth:`current`), and the covariance trace is bounded so that
     unexcited directions (e.g. every step at the same batch size) cannot wind up: the fit then
     stays exact for what was observed and near the prior elsewhere. O(1) per call. (The
-    recursion itself is unconstrained; only the coefficients read are projected.)
+    recursion itself is unconstrained; only the coefficients read are held non-negative.)
     """
 
     __slots__ = (
@@ -188,10 +250,12 @@ class CostModel:
         return self._prefills
 
     def current(self) -> StepTimeModel:
-        """The fitted model (``prior`` itself until something is observed)."""
+        """The fitted model (``prior`` itself until something is observed): the recursion's
+        estimate where its coefficients are all >= 0, else the nearest non-negative one in the
+        metric of its covariance (:func:`_nearest_nonnegative`)."""
         cur = self._current
         if cur is None:
-            t = self._theta
+            t = _nearest_nonnegative(self._theta, self._p)
             cur = StepTimeModel(
                 fixed_s=max(0.0, t[0]) / _Y,
                 per_seq_s=max(0.0, t[1]) / (_Y * _B),
@@ -310,8 +374,8 @@ class CostModel:
         k2 = px2 / denom
         err = y - (th[0] * 1.0 + th[1] * x1 + th[2] * x2)
         # the recursion runs on the unconstrained estimate; only what is read (current()) is
-        # projected onto >= 0: feeding the projection back makes RLS diverge on the narrow,
-        # collinear data of a real engine (batch and context moving together)
+        # held >= 0: feeding that back makes RLS diverge on the narrow, collinear data of a
+        # real engine (batch and context moving together)
         th[0] += k0 * err
         th[1] += k1 * err
         th[2] += k2 * err
