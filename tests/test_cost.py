@@ -173,7 +173,7 @@ def test_nearest_nonnegative_is_feasible_and_no_farther_than_any_other_point(
 ) -> None:
     """Non-negative, ``theta`` itself when that is, and in the metric of ``p`` at least as near
     ``theta`` as clamping each coefficient on its own or any other non-negative point."""
-    from kvbudget.core.cost import _nearest_nonnegative
+    from kvbudget.core.cost import _inverse, _nearest_nonnegative
 
     a = [root[0:3], root[3:6], root[6:9]]
     p = [[sum(a[i][k] * a[j][k] for k in range(3)) + (0.1 if i == j else 0.0)
@@ -182,7 +182,12 @@ def test_nearest_nonnegative_is_feasible_and_no_farther_than_any_other_point(
     assert all(v >= -1e-9 for v in got)
     if all(v >= 0.0 for v in theta):
         assert got == theta
-    inv = _inv3(p)
+    inv = _inverse(p)
+    assert inv is not None
+    for i in range(3):  # (the metric itself checked: inv p = I)
+        for j in range(3):
+            got_ij = sum(inv[i][k] * p[k][j] for k in range(3))
+            assert got_ij == pytest.approx(1.0 if i == j else 0.0, abs=1e-6)
 
     def distance(x: list[float]) -> float:
         d = [x[i] - theta[i] for i in range(3)]
@@ -191,17 +196,6 @@ def test_nearest_nonnegative_is_feasible_and_no_farther_than_any_other_point(
     best = distance(got)
     for other in [[max(0.0, v) for v in theta], *others]:
         assert best <= distance(other) + 1e-6 * (1.0 + abs(best))
-
-
-def _inv3(m: list[list[float]]) -> list[list[float]]:
-    (a, b, c), (d, e, f), (g, h, k) = m
-    adj = [
-        [e * k - f * h, c * h - b * k, b * f - c * e],
-        [f * g - d * k, a * k - c * g, c * d - a * f],
-        [d * h - e * g, b * g - a * h, a * e - b * d],
-    ]
-    det = a * adj[0][0] + b * adj[1][0] + c * adj[2][0]
-    return [[x / det for x in row] for row in adj]
 
 
 @settings(max_examples=100, deadline=None)
