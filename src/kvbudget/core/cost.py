@@ -155,13 +155,13 @@ _HELD_AT_ZERO: Final = ((0,), (1,), (2,), (0, 1), (0, 2), (1, 2), (0, 1, 2))
 
 
 def _inverse(m: list[list[float]]) -> list[list[float]] | None:
-    """The inverse of the symmetric 1x1, 2x2 or 3x3 ``m`` (None where it is singular)."""
+    """The inverse of the 1x1, 2x2 or 3x3 covariance ``m`` (None where it is singular)."""
     n = len(m)
     if n == 1:
         return [[1.0 / m[0][0]]] if m[0][0] > 0.0 else None
     if n == 2:
         det = m[0][0] * m[1][1] - m[0][1] * m[1][0]
-        if not det > 1e-12 * abs(m[0][0] * m[1][1]) or det == 0.0:
+        if not det > 1e-12 * m[0][0] * m[1][1]:  # (a covariance's: det >= 0)
             return None
         return [[m[1][1] / det, -m[0][1] / det], [-m[1][0] / det, m[0][0] / det]]
     (a, b, c), (d, e, f), (g, h, k) = m
@@ -171,7 +171,7 @@ def _inverse(m: list[list[float]]) -> list[list[float]] | None:
         [d * h - e * g, b * g - a * h, a * e - b * d],
     ]
     det = a * co[0][0] + b * co[1][0] + c * co[2][0]
-    if not abs(det) > 1e-12 * abs(a * e * k) or det == 0.0:
+    if not det > 1e-12 * a * e * k:
         return None
     return [[x / det for x in row] for row in co]
 
