@@ -28,6 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
@@ -35,6 +37,10 @@ BLOCKS = 257
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 2048
 MAX_NUM_SEQS = 64
+#: engine time per arriving request on this machine (the server's parsing and tokenizing on the
+#: cores the engine shares), from the first tokens of bursts of 30, 120 and 160 requests
+#: against the simulated ones (docs/benchmarks.md, twenty-third session)
+INTAKE_MS = 0.9
 
 
 async def _run(n_requests: int, rate: float, seed: int) -> Any:
@@ -105,8 +111,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--rate", type=float, default=6.0, help="mean arrivals per second")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--intake-ms", type=float, default=INTAKE_MS,
+                   help="engine time per arriving request, set on the profile as measured "
+                        f"elsewhere: the steps do not tell it apart (default {INTAKE_MS}, this "
+                        "machine's, from bursts of arrivals: docs/benchmarks.md)")
     a = p.parse_args(argv)
+    if not 0.0 <= a.intake_ms < math.inf:
+        p.error("--intake-ms must be a finite number >= 0")
     profile, steps = asyncio.run(_run(a.requests, a.rate, a.seed))
+    if a.intake_ms:
+        profile = attrs.evolve(
+            profile, intake_s=a.intake_ms / 1e3,
+            source=f"{profile.source}; intake {a.intake_ms:g} ms per arriving request, "
+            "measured from the first tokens of bursts of arrivals against the simulated ones "
+            "(docs/benchmarks.md, twenty-third session)",
+        )
     step = profile.step
     errors = []
     for batch, context, prefill, seconds in steps:

@@ -242,8 +242,11 @@ NOTES = (
     "recorded, the engine is taken to run at --stall-speed in them, one figure for every stall "
     "(fitted, not measured)",
     "the servers' front ends are not modelled unless --front-end run (measured here at 18-40 % "
-    "of a core, their queue moves no cell); a front end's fixed latency per request (parsing, "
-    "tokenizing, the first SSE chunk: tens of ms) is not in the simulated TTFT",
+    "of a core, their queue moves no cell); what taking in a request costs the machine "
+    "(parsing, tokenizing, handing it to the engine core, on the cores the engine shares) is "
+    "one figure, the intake (--intake-ms; the shipped profile's, measured from bursts of "
+    "arrivals), added to the engine's next step for each request that arrived, the same for "
+    "both servers: a server's own shape of that cost is not modelled",
     "prompt lengths are vLLM's sampled lengths plus the BOS; the few tokens its decode/re-encode "
     "adds or drops are not modelled (the translation check counts them when records are given)",
     "abandon: a client leaves exactly when its k-th token is generated; a real client reads "
@@ -786,7 +789,8 @@ def simulate_workloads(
             engine_of = engines[server]
             if server in own:  # this run's own engine pace, from its own steps
                 engine_of = attrs.evolve(
-                    own[server].engine_model(), front_end=engines[server].front_end
+                    own[server].engine_model(), front_end=engines[server].front_end,
+                    intake_s=engines[server].intake_s,
                 )
             sent = send_times.get(name, {}).get(server)
             scenario, reqs = (
@@ -951,10 +955,11 @@ def sim_stream_gap(
 
 
 def scaled_engine(engine: EngineModel, factor: float) -> EngineModel:
-    """``engine`` with every step-time figure (and the abort latency) times ``factor``."""
+    """``engine`` with every step-time figure (and the abort latency and the intake) times
+    ``factor``."""
     return attrs.evolve(
         engine, step=scaled_step(engine.step, factor),
-        abort_latency_s=engine.abort_latency_s * factor,
+        abort_latency_s=engine.abort_latency_s * factor, intake_s=engine.intake_s * factor,
     )
 
 
@@ -1683,6 +1688,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-scale", type=float, default=1.0, metavar="F",
                    help="what-if, not a fit: multiply every step-time figure of the profile by "
                         "F (the same engine on a faster or busier machine; default 1)")
+    p.add_argument("--intake-ms", type=float, default=None, metavar="MS",
+                   help="engine time each arriving request costs (the simulator's intake_s; "
+                        "default: the profile's, else the shipped "
+                        f"{DEFAULT_PROFILE}'s, measured on this machine's bursts)")
     p.add_argument("--send-times", choices=("auto", "planned", "real"), default="auto",
                    help="when the simulated requests arrive: when the real client sent each one "
                         "to each server (real: needs the real run's records; it replays the "
@@ -1731,6 +1740,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--step-scale must be > 0")
     if not 0.0 <= args.stall_speed <= 1.0:
         p.error("--stall-speed must be in [0, 1]")
+    if args.intake_ms is not None and not 0.0 <= args.intake_ms < math.inf:
+        p.error("--intake-ms must be a finite number >= 0")
     return args
 
 
@@ -1742,6 +1753,7 @@ def scaled(profile: EngineProfile, factor: float) -> EngineProfile:
     return attrs.evolve(
         profile, step=scaled_step(profile.step, factor),
         abort_latency_s=profile.abort_latency_s * factor, name=f"{profile.name} x{factor:g}",
+        intake_s=profile.intake_s * factor,
     )
 
 
@@ -1768,14 +1780,27 @@ def speed_check(result: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | Non
             "tpot_p50_ms_sim": sim, "real_over_sim": round(real / sim, 2)}
 
 
-def load_profile(choice: str, run_dir: Path | None) -> EngineProfile:
+def load_profile(
+    choice: str, run_dir: Path | None, intake_ms: float | None = None
+) -> EngineProfile:
     """``--engine-profile``: a file or shipped name, or :data:`RUN_PROFILE` (the run's own where
-    ``run_dir`` holds one, else :data:`DEFAULT_PROFILE`)."""
+    ``run_dir`` holds one, else :data:`DEFAULT_PROFILE`), with ``--intake-ms``'s intake where
+    given. A run's own profile is fitted from its engine's steps, which do not tell the intake
+    apart (the engine model's module docstring): it takes :data:`DEFAULT_PROFILE`'s, measured on
+    the machine serve_bench runs on; a profile named or given as a file keeps its own."""
     if choice != RUN_PROFILE:
-        return EngineProfile.load(choice)
-    if run_dir is not None and (run_dir / RUN_PROFILE_FILE).exists():
-        return EngineProfile.load(run_dir / RUN_PROFILE_FILE)
-    return EngineProfile.load(DEFAULT_PROFILE)
+        profile = EngineProfile.load(choice)
+    elif run_dir is not None and (run_dir / RUN_PROFILE_FILE).exists():
+        profile = EngineProfile.load(run_dir / RUN_PROFILE_FILE)
+        if not profile.intake_s:
+            profile = attrs.evolve(
+                profile, intake_s=EngineProfile.load(DEFAULT_PROFILE).intake_s
+            )
+    else:
+        profile = EngineProfile.load(DEFAULT_PROFILE)
+    if intake_ms is not None:
+        return attrs.evolve(profile, intake_s=intake_ms / 1e3)
+    return profile
 
 
 def _tokenizer(opts: argparse.Namespace) -> TokenizerInfo:
@@ -1812,8 +1837,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         real_source = str(out_dir)
         run_dir = out_dir
     load_file = run_dir / "load.json" if run_dir is not None else None
-    profile = scaled(load_profile(opts.engine_profile, run_dir), opts.step_scale)
-    print(f"# engine profile: {profile.name} ({profile.source})", file=sys.stderr)
+    profile = scaled(
+        load_profile(opts.engine_profile, run_dir, opts.intake_ms), opts.step_scale
+    )
+    print(f"# engine profile: {profile.name} ({profile.source}); intake "
+          f"{1e3 * profile.intake_s:g} ms per request", file=sys.stderr)
     if opts.send_times == "real" and not records:
         raise SystemExit("--send-times real needs the real run's records (a serve_bench --out DIR)")
     send_times = "planned" if opts.send_times == "planned" or not records else "real"
@@ -1912,6 +1940,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.loads(load_file.read_text()) if load_file and load_file.exists() else None
             ),
             "engine_profile": profile.name,
+            "intake_s": profile.intake_s,
             "step_scale": opts.step_scale,
             "paced": list(paced),
             "policies": {s: policy_name(s, opts.policy) for s in servers},

@@ -351,6 +351,22 @@ def test_the_front_end_fit_recovers_known_costs_and_sets_idle_aside() -> None:
         fit_front_end([*stretches, (10, True, 1.0, 1.0)])
 
 
+def test_a_profiles_intake_reaches_the_engine_and_old_files_still_load(
+    tmp_path: pathlib.Path,
+) -> None:
+    prof = EngineProfile.load("vllm-cpu-tiny")
+    assert 0.0 < prof.intake_s < 0.01 and prof.engine_model().intake_s == prof.intake_s
+    old = {k: v for k, v in prof.to_dict().items() if k != "intake_s"}
+    without = EngineProfile.from_dict(old)
+    assert without.intake_s == 0.0 and "intake_s" not in without.to_dict()
+    path = tmp_path / "p.json"
+    prof.save(path)
+    assert EngineProfile.load(path) == prof
+    for bad in (-1.0, float("nan"), float("inf"), "fast"):
+        with pytest.raises(InvalidInput):
+            EngineProfile.from_dict({**old, "intake_s": bad})
+
+
 def test_a_profile_with_a_front_end_round_trips_and_old_files_still_load(
     tmp_path: pathlib.Path,
 ) -> None:

@@ -362,6 +362,41 @@ def test_the_front_end_delays_what_clients_get_as_a_one_thread_queue() -> None:
     assert free.request_records == plain.request_records
 
 
+def test_a_burst_of_arrivals_delays_the_next_step_by_its_intake() -> None:
+    """Hand-worked: five requests arrive together at an idle engine whose steps cost a fixed
+    1 ms and nothing else; the first step prefills all five and pays their intake, 5 x 10 ms,
+    so every first token comes at 51 ms (1 ms without the intake). A sixth arriving alone at
+    t = 1 s, the engine idle again, pays only its own: 11 ms. Tokens after the first keep the
+    engine's pace (no arrival in between), and an intake of 0 changes nothing."""
+    from kvbudget.core.cost import StepTimeModel
+
+    trace = Workload(name="burst", requests=[
+        *(TraceRequest(arrival_s=0.0, prompt_tokens=64, output_tokens=4) for _ in range(5)),
+        TraceRequest(arrival_s=1.0, prompt_tokens=64, output_tokens=4),
+    ])
+    sc = Scenario(interactive_share=1.0, abandon_share=0.0)
+    reqs = apply_scenario(trace, sc)
+    flat = EngineModel(
+        capacity=Capacity(6000, 16),  # room for all five at once, even at reserve-max
+        step=StepTimeModel(fixed_s=0.001, per_seq_s=0.0, per_context_token_s=0.0,
+                           prefill_per_token_s=0.0),
+    )
+    plain = simulate(reqs, sc, flat, "reserve-max", keep_requests=True)
+    taxed = simulate(reqs, sc, attrs.evolve(flat, intake_s=0.010), "reserve-max",
+                     keep_requests=True)
+    by_arrival = sorted(taxed.request_records, key=lambda r: (r.arrival_s, r.request_id))
+    assert [r.ttft_s for r in by_arrival] == pytest.approx([0.051] * 5 + [0.011])
+    assert [r.ttft_s for r in plain.request_records] == pytest.approx([0.001] * 6)
+    for rec in by_arrival:
+        assert rec.tpot_s == pytest.approx(0.001) and rec.output_tokens == 4
+    zero = simulate(reqs, sc, attrs.evolve(flat, intake_s=0.0), "reserve-max",
+                    keep_requests=True)
+    assert zero.request_records == plain.request_records
+    for bad in (-0.001, math.nan, math.inf):
+        with pytest.raises(InvalidInput):
+            attrs.evolve(flat, intake_s=bad)
+
+
 def test_a_front_end_that_cannot_keep_up_makes_first_tokens_late() -> None:
     """Many streams, each step's outputs taking the front end longer than the step: its backlog
     grows with every step, so clients get tokens ever later than the engine made them, and a

@@ -452,6 +452,18 @@ def test_the_engine_profile_is_the_runs_own_where_the_run_kept_one(tmp_path: pat
     assert picked.name == "tiny-run" and picked.step.fixed_s == 0.001
     assert svr.load_profile("vllm-l4-qwen2.5-0.5b", tmp_path).name == "vllm-l4-qwen2.5-0.5b"
     assert svr.parse_args([]).engine_profile == svr.RUN_PROFILE
+    # the intake: a run's own profile (fitted from steps, which do not tell it apart) takes the
+    # shipped profile's, measured on this machine; a named one keeps its own; --intake-ms wins
+    own_fit = EngineProfile.from_dict({k: v for k, v in own.to_dict().items() if k != "intake_s"})
+    (tmp_path / svr.RUN_PROFILE_FILE).write_text(json.dumps(own_fit.to_dict()))
+    assert own_fit.intake_s == 0.0 and shipped.intake_s > 0.0
+    assert svr.load_profile(svr.RUN_PROFILE, tmp_path).intake_s == shipped.intake_s
+    assert svr.load_profile(svr.RUN_PROFILE, tmp_path, 2.5).intake_s == pytest.approx(0.0025)
+    assert svr.load_profile("vllm-l4-qwen2.5-0.5b", tmp_path).intake_s == 0.0
+    assert svr.scaled(shipped, 2.0).intake_s == pytest.approx(2 * shipped.intake_s)
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            svr.parse_args(["--intake-ms", bad])
 
 
 def test_send_times_real_replays_the_clients_bursts() -> None:

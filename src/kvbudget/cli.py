@@ -304,6 +304,12 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         f"(default {DEFAULT_ABORT_LATENCY_S})",
     )
     g.add_argument(
+        "--intake-ms",
+        type=_nonneg_float,
+        help="engine time each arriving request costs, taken from the next step (ms; default "
+        "the profile's, else 0)",
+    )
+    g.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="turn the engine's prefix cache off: every prompt is prefilled and charged in full",
@@ -408,6 +414,7 @@ def _engine_from(args: argparse.Namespace) -> Any:
         prefill_chunk_tokens=given(args.prefill_chunk, base.prefill_chunk_tokens),
         prefix_caching=base.prefix_caching and not args.no_prefix_cache,
         front_end=base.front_end,
+        intake_s=base.intake_s if args.intake_ms is None else args.intake_ms / 1e3,
     )
 
 

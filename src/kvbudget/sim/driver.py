@@ -68,6 +68,10 @@ delivery times are the records' first and last token times, so TTFT, TPOT and th
 TTFT rule see them; the engine's steps, the scheduler's charges and the inter-token gaps keep
 the engine's own times.
 
+The intake (``EngineModel.intake_s``, 0 by default): each arriving request adds that much to the
+engine's next step (the arrivals since the last step began are counted, and their intake paid at
+once), so a burst of arrivals delays the steps that follow it.
+
 What is measured (all from the driver's own records)
 ----------------------------------------------------
 * Each request ends exactly once: completed, rejected (overloaded), abandoned, continued or
@@ -757,9 +761,12 @@ class _Sim:
         guard = last_arrival + 1e6
 
         fe_request_s, fe_output_s = self.fe_request_s, self.fe_output_s
+        intake_s = engine.intake_s
+        #: arrivals since the last step began, whose intake the next step pays
+        arrived = 0
 
         def drain(until: float) -> None:
-            nonlocal ai, next_tick
+            nonlocal ai, next_tick, arrived
             while True:
                 ta = order[ai].arrival if ai < n else inf
                 te = timed[0][0] if timed else inf
@@ -769,6 +776,7 @@ class _Sim:
                 if t == ta:
                     r = order[ai]
                     ai += 1
+                    arrived += 1
                     if fe_request_s > 0.0:  # the front end takes it in first
                         free = self.fe_free
                         self.fe_free = (free if free > t else t) + fe_request_s
@@ -855,6 +863,9 @@ class _Sim:
             ctx = self.ctx_total
             decode_s = fixed + per_seq * nb + per_ctx * ctx if nb else 0.0
             dt = decode_s + per_pre * pre_tokens + (fixed if nb == 0 else 0.0)
+            if arrived:
+                dt += intake_s * arrived
+                arrived = 0
             if machine_stalls:
                 dt = self._stalled(now, dt)
             t_end = now + dt

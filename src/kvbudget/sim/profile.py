@@ -35,6 +35,12 @@ A profile also carries what the engine was configured with (KV blocks and block 
 prefill chunk) and the abort latency: the time an idle engine takes to confirm a stop (the
 adapter's round trip to the engine core; a busy engine confirms with its step records, which
 the simulator counts itself); it is taken as the median observed step time unless given.
+
+The intake (``intake_s``, engine time per arriving request) is not in the steps' fit: the steps
+a burst of arrivals slows are timed whole with everything else in them, and a caller of the
+engine sees arrivals the engine's own steps do not count (the server's parsing and tokenizing).
+It is measured from the first tokens of a run's bursts against the simulated ones
+(``docs/benchmarks.md``, the twenty-third session) and set on the profile by hand, 0 unless set.
 """
 
 from __future__ import annotations
@@ -241,6 +247,9 @@ class EngineProfile:
     observed_steps: int = attrs.field(default=0, validator=integer(0))
     #: the server process in front of the engine (:func:`fit_front_end`); None: not modelled
     front_end: FrontEndModel | None = attrs.field(default=None, converter=_front_end)
+    #: engine seconds per arriving request (:class:`~kvbudget.sim.engine_model.EngineModel`'s
+    #: ``intake_s``); measured from a run's bursts, not from the steps (module docstring)
+    intake_s: float = attrs.field(default=0.0, validator=nonnegative(name="intake_s"))
 
     def engine_model(self, tick_s: float = DEFAULT_TICK_S) -> EngineModel:
         """The simulator's engine for this profile."""
@@ -252,6 +261,7 @@ class EngineProfile:
             prefill_chunk_tokens=self.prefill_chunk_tokens,
             tick_s=tick_s,
             front_end=self.front_end,
+            intake_s=self.intake_s,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -261,6 +271,8 @@ class EngineProfile:
             del out["front_end"]  # (files written before front ends were modelled match)
         else:
             out["front_end"] = self.front_end.to_dict()
+        if not self.intake_s:
+            del out["intake_s"]  # (nor before the intake was)
         return out
 
     @classmethod
