@@ -191,6 +191,7 @@ import serve_bench as sb  # noqa: E402
 from kvbudget.core.cost import CostModel, StepTimeModel  # noqa: E402
 from kvbudget.core.lengths import LengthModel  # noqa: E402
 from kvbudget.core.policy import Policy, make_policy  # noqa: E402
+from kvbudget.engines.vllm.adapter import PREFILL_PROBES, prefill_probe_lengths  # noqa: E402
 from kvbudget.policy_options import (  # noqa: E402
     POLICY_DEFAULT,
     add_first_token_pause_option,
@@ -778,7 +779,10 @@ def simulate_workloads(
         for s in servers
     }
     policies = {s: simulated_policy(s, policy) for s in servers}
-    carried = {s: (LengthModel(), CostModel()) for s in servers}
+    carried = {
+        s: (LengthModel(), probed_cost(engine) if s in PROBING_SERVERS else CostModel())
+        for s in servers
+    }
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name in [w for w in sb.WORKLOADS if w in names]:
         plan, limits = context_limits(plan_workload(name, seed, tok, scale, bench_args))
@@ -854,6 +858,26 @@ def simulate_workloads(
             per[server] = summary
         out[name] = per
     return out
+
+
+#: servers whose budget measures the engine's prefill before its first caller (the example's
+#: BudgetedEngine, :func:`probed_cost`)
+PROBING_SERVERS = ("kvbudget",)
+
+
+def probed_cost(engine: EngineModel) -> CostModel:
+    """A fresh cost model that has seen what the example's :class:`BudgetedEngine` feeds its
+    own before the first caller: one prefill of each of its probes (``PREFILL_PROBES`` prompts
+    of :func:`prefill_probe_lengths`, serve_bench's context and ``engine``'s cache), each
+    observed as the simulated engine reports a prefill (its per-token cost). Without them the
+    simulated example could not pause a stream until its callers' own prefills had been seen
+    that often: a burst of prompts whose prefix is cached fills the cache in two or three
+    prefill steps, and its callers were turned away where the real example paused streams."""
+    cost = CostModel()
+    per_token = engine.step.prefill_per_token_s
+    for n in prefill_probe_lengths(PREFILL_PROBES, sb.MAX_MODEL_LEN, engine.capacity.tokens):
+        cost.observe_prefill(n, per_token * n)
+    return cost
 
 
 #: ``--pace``'s default, and the servers it paces: both. vLLM's own server, whose engine's

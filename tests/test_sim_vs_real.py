@@ -843,3 +843,30 @@ def test_the_models_context_refuses_or_cuts_requests_as_the_servers_do() -> None
     assert only_cut.cut and not only_cut.refused
     assert svr.classify_sim(_sim_rec(output_tokens=60, expected_tokens=60), asked=80) == "failed"
     assert svr.classify_sim(_sim_rec(output_tokens=60, expected_tokens=60), asked=60) == "good"
+
+
+def test_the_simulated_example_has_measured_the_prefill_before_its_first_caller() -> None:
+    """The example's BudgetedEngine prefills PREFILL_PROBES prompts before any caller, so its
+    calibrated policy may pause streams from the first request on; the simulated example's
+    cost model starts from the same observations. Held out (sb23b): 160 callers of the
+    shared-prefix workload all at once, whose cached prefix leaves too few prefill steps to
+    measure in the burst: the real example paused streams and served all 160 in time; the
+    simulated one without the probes paused none and turned 102 away at their deadline."""
+    from kvbudget.engines.vllm.adapter import PREFILL_PROBES, prefill_probe_lengths
+    from kvbudget.sim.profile import EngineProfile
+
+    assert prefill_probe_lengths(8, 2048, 8192) == [128, 256, 384, 512, 640, 768, 896, 1024]
+    assert prefill_probe_lengths(4, 300, 256) == [32, 64, 96, 128]  # half the cache
+    assert prefill_probe_lengths(3, 2, 1000) == [1, 1, 1]
+    prof = EngineProfile.load(svr.DEFAULT_PROFILE)
+    engine = prof.engine_model()
+    cost = svr.probed_cost(engine)
+    assert cost.prefill_observations == PREFILL_PROBES
+    assert cost.predict_prefill(1000) == pytest.approx(
+        1000 * engine.step.prefill_per_token_s, rel=0.05
+    )
+    out = svr.simulate_workloads(
+        ["shared-prefix"], profile=prof, bench_args=["--request-rate=inf"],
+        servers=("kvbudget",),
+    )["shared-prefix"]["kvbudget"]
+    assert out["good"] == 160 and out["rejected"] == 0 and out["frozen_streams"] > 0

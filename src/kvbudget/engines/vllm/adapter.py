@@ -1032,6 +1032,14 @@ class _Prepared:
 #: ``min_prefill_observations`` by default)
 PREFILL_PROBES = 8
 
+
+def prefill_probe_lengths(count: int, max_model_len: int, capacity_tokens: int) -> list[int]:
+    """The prompt lengths of :meth:`BudgetedEngine._probe_prefill`'s ``count`` probes: spread
+    evenly up to 1,024 tokens, within the model's context and half the cache (the simulator
+    replays them: ``benchmarks/sim_vs_real.py``)."""
+    longest = max(1, min(1024, max_model_len - 2, capacity_tokens // 2))
+    return [max(1, longest * (i + 1) // count) for i in range(count)]
+
 #: the most parallel samples (``n``) one request may ask for: each is a budget request of its own
 MAX_PARALLEL_SAMPLES = 16
 
@@ -1381,11 +1389,10 @@ class BudgetedEngine:
         with contextlib.suppress(Exception):
             vocab = int(self.engine.vllm_config.model_config.get_vocab_size())
         vocab = vocab if vocab > 1 else 256
-        longest = max(1, min(1024, self.max_model_len - 2, self.capacity.tokens // 2))
         params = SamplingParams(max_tokens=1, temperature=0.0)
         cost = self.budget.scheduler.cost
-        for i in range(count):
-            n = max(1, longest * (i + 1) // count)
+        lengths = prefill_probe_lengths(count, self.max_model_len, self.capacity.tokens)
+        for i, n in enumerate(lengths):
             ids = [(7919 * (i * 4099 + j) + 17) % vocab for j in range(n)]
             rid = f"kvbudget-prefill-probe-{i}-{uuid.uuid4().hex[:8]}"
             seen = cost.prefill_observations
@@ -2005,10 +2012,12 @@ __all__ = [
     "DEFAULT_SLACK_TOKENS",
     "ENGINE_KWARGS",
     "MAX_PARALLEL_SAMPLES",
+    "PREFILL_PROBES",
     "BudgetedEngine",
     "EngineStats",
     "RequestAborted",
     "VllmResult",
     "pause_blockers",
+    "prefill_probe_lengths",
     "vllm_version",
 ]
