@@ -189,6 +189,7 @@ for _p in (str(ROOT / "src"), str(HERE)):
 import serve_bench as sb  # noqa: E402
 
 from kvbudget.core.cost import CostModel, StepTimeModel  # noqa: E402
+from kvbudget.core.forecast import ForecastMemory  # noqa: E402
 from kvbudget.core.lengths import LengthModel  # noqa: E402
 from kvbudget.core.policy import Policy, make_policy  # noqa: E402
 from kvbudget.engines.vllm.adapter import PREFILL_PROBES, prefill_probe_lengths  # noqa: E402
@@ -783,6 +784,10 @@ def simulate_workloads(
         s: (LengthModel(), probed_cost(engine) if s in PROBING_SERVERS else CostModel())
         for s in servers
     }
+    # what each server's forecast learned by the end of its last workload (its release rate,
+    # the calibration of its wait forecasts): the real server keeps its scheduler from one
+    # workload to the next
+    memories: dict[str, ForecastMemory | None] = {s: None for s in servers}
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name in [w for w in sb.WORKLOADS if w in names]:
         plan, limits = context_limits(plan_workload(name, seed, tok, scale, bench_args))
@@ -823,7 +828,7 @@ def simulate_workloads(
                     reqs, scenario, engine, chosen if isinstance(chosen, str) else chosen(),
                     seed=seed,
                     keep_requests=True, lengths=lengths, cost=cost, stalls=spans,
-                    stall_speed=stall_speed,
+                    stall_speed=stall_speed, forecast=memories[server],
                 )
                 return result, (lengths, cost)
 
@@ -846,6 +851,7 @@ def simulate_workloads(
                 )
             else:
                 (result, carried[server]), step_scale = run_at(1.0), 1.0
+            memories[server] = result.forecast_memory
             summary = summarize_sim(result.request_records, client, limits)
             summary["step_scale"] = round(step_scale, 3)
             if window_scales is not None:

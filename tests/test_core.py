@@ -1938,3 +1938,38 @@ def test_the_in_time_share_is_always_what_the_outcomes_kept_say(
             snap = s.snapshot()
             assert snap.wait_forecast_samples == len(seen)
             assert snap.wait_in_time_share == pytest.approx(expected)
+
+
+def test_a_forecast_taken_over_by_another_scheduler_answers_as_it_would_have() -> None:
+    """``Forecast.memory`` / ``recall``: a scheduler that goes on where another stopped (the
+    simulator's next workload of one server) reads the same release rate and the same
+    calibration of its wait forecasts, its times moved to its own clock (the time between
+    counts as none); a fresh one has no release rate and no outcomes."""
+    from kvbudget.core.forecast import MIN_WAIT_OUTCOMES
+
+    s = Scheduler(Capacity(9, 4), policy=ReserveMaxFront())
+    s.arrive("background", spec(prompt=1, max_tokens=3), 0.0)
+    _release_rate(s)
+    f = s.forecast
+    for _ in range(MIN_WAIT_OUTCOMES):
+        f.note_waited(5.0, 1.0, True, s.now)
+    rate, share, late = f.release_rate(s.now), f.in_time_share(5.0), f.late_first_token_share
+    assert rate > 0.0 and share == 1.0
+    memory = f.memory()
+    assert memory.at == s.now
+    t = Scheduler(Capacity(9, 4), policy=ReserveMaxFront())
+    assert t.forecast.release_rate(100.0) == 0.0 and not t.forecast.unlikely_in_time(0.5, 1.0)
+    t.forecast.recall(memory, 100.0)
+    g = t.forecast
+    assert g.release_rate(100.0) == pytest.approx(rate)
+    assert g.in_time_share(5.0) == share and g.late_first_token_share == late
+    assert g.memory().outcomes == tuple(
+        tuple((when + 100.0 - memory.at, ok) for when, ok in band) for band in memory.outcomes
+    )
+    assert t.snapshot().wait_forecast_samples >= MIN_WAIT_OUTCOMES
+    # outcomes are forgotten a minute after they came: on the new clock, too
+    from kvbudget.core.forecast import WAIT_OUTCOME_HORIZON_S
+
+    t.arrive("later", spec(prompt=1, max_tokens=3), 100.0 + WAIT_OUTCOME_HORIZON_S + 1.0)
+    g.in_time_share(5.0)
+    assert t.snapshot().wait_forecast_samples == 0

@@ -870,3 +870,25 @@ def test_the_simulated_example_has_measured_the_prefill_before_its_first_caller(
         servers=("kvbudget",),
     )["shared-prefix"]["kvbudget"]
     assert out["good"] == 160 and out["rejected"] == 0 and out["frozen_streams"] > 0
+
+
+def test_each_simulated_server_keeps_its_forecast_from_one_workload_to_the_next() -> None:
+    """A server keeps its scheduler, and with it the release rate and the calibration of its
+    wait forecasts, from one workload to the next; so does its simulated twin. Held out
+    (sb23c, sb23e): 160 overload callers all at once right after the moderate burst; the
+    real example turned 29-46 away at arrival ("deadline", Retry-After about 8 s) on the rate
+    the moderate burst had shown, where the simulated one, starting the workload with a fresh
+    scheduler, had no rate, forecast the placeholder wait and turned none away."""
+    from kvbudget.sim.profile import EngineProfile
+
+    prof = EngineProfile.load(svr.DEFAULT_PROFILE)
+    after = svr.simulate_workloads(
+        ["moderate", "overload"], profile=prof, bench_args=["--request-rate=inf"],
+        servers=("kvbudget",),
+    )["overload"]["kvbudget"]
+    alone = svr.simulate_workloads(
+        ["overload"], profile=prof, bench_args=["--request-rate=inf"], servers=("kvbudget",),
+    )["overload"]["kvbudget"]
+    assert alone["rejected"] == 0
+    assert after["rejections_by_reason"].get("deadline", 0) >= 20
+    assert after["good"] + after["rejected"] == 160 and after["late"] == 0

@@ -15,6 +15,8 @@ import math
 from collections import deque
 from typing import TYPE_CHECKING
 
+import attrs
+
 from kvbudget.core.lifecycle import Request, State
 
 if TYPE_CHECKING:
@@ -94,6 +96,32 @@ class DecayingRate:
         span = min(tau, max(now - first, 1e-3)) if self.warm_up else tau
         return self._sum * math.exp(-(now - at) / tau) / span
 
+    def state(self) -> tuple[float, float | None, float | None]:
+        """What it holds: the decayed sum, when it was last added to, when first."""
+        return self._sum, self._at, self._first_at
+
+    def restore(self, state: tuple[float, float | None, float | None], shift: float) -> None:
+        """Hold ``state`` (:meth:`state`) with its times ``shift`` seconds later."""
+        total, at, first = state
+        self._sum = total
+        self._at = None if at is None else at + shift
+        self._first_at = None if first is None else first + shift
+
+
+@attrs.frozen(slots=True)
+class ForecastMemory:
+    """What a :class:`Forecast` learned, on its scheduler's clock up to ``at``: for a scheduler
+    that takes over its work (:meth:`Forecast.recall`), as a server that runs on keeps it. A
+    simulator that replays a server's workloads one after another carries it between them."""
+
+    at: float
+    releases: tuple[float, float | None, float | None]
+    idle_total: float
+    idle_since: float | None
+    ft_prompts: tuple[float, float | None, float | None]
+    late_first_token_share: float
+    outcomes: tuple[tuple[tuple[float, bool], ...], ...]
+
 
 class Forecast:
     """Rates, waits, expiries and first-token lateness (module docstring)."""
@@ -140,6 +168,39 @@ class Forecast:
         self._judged_band = 0
 
     # -- what it learns from -------------------------------------------------------------------
+
+    def memory(self) -> ForecastMemory:
+        """What it has learned so far (:class:`ForecastMemory`), as of the scheduler's now."""
+        return ForecastMemory(
+            at=self._s.now,
+            releases=self._releases.state(),
+            idle_total=self._idle_total,
+            idle_since=self._idle_since,
+            ft_prompts=self._ft_prompts.state(),
+            late_first_token_share=self.late_first_token_share,
+            outcomes=tuple(tuple(band) for band in self._outcomes),
+        )
+
+    def recall(self, memory: ForecastMemory, resumed_at: float) -> None:
+        """Take over what another forecast had learned (``memory``), its times moved so that
+        ``memory.at`` falls at ``resumed_at`` on this one's clock: the time between them counts
+        as none (an idle engine, whose release rate runs on a clock that stops, learns nothing
+        then either)."""
+        shift = resumed_at - memory.at
+        self._releases.restore(memory.releases, shift)
+        self._ft_prompts.restore(memory.ft_prompts, shift)
+        self._idle_total = memory.idle_total
+        self._idle_since = None if memory.idle_since is None else memory.idle_since + shift
+        self.late_first_token_share = memory.late_first_token_share
+        window = self._config.wait_outcome_window
+        self._outcomes = [
+            deque((when + shift, ok) for when, ok in band) for band in memory.outcomes
+        ]
+        for band in self._outcomes:
+            while len(band) > window:
+                band.popleft()
+        self._in_time = [sum(ok for _, ok in band) for band in self._outcomes]
+        self._share_at.clear()
 
     def note_arrival(self, req: Request, now: float) -> None:
         if req.cls.ttft_slo_s is not None:
@@ -469,5 +530,6 @@ __all__ = [
     "WAIT_PRESSURE_FROM",
     "DecayingRate",
     "Forecast",
+    "ForecastMemory",
     "wait_pressure_band",
 ]

@@ -116,6 +116,7 @@ import attrs
 from kvbudget.core import events as ev
 from kvbudget.core.config import SchedulerConfig
 from kvbudget.core.cost import CostModel
+from kvbudget.core.forecast import ForecastMemory
 from kvbudget.core.lengths import LengthModel
 from kvbudget.core.model import RequestSpec
 from kvbudget.core.policy import OraclePolicy, Policy, make_policy
@@ -1089,6 +1090,7 @@ class _Sim:
             itl_cdf=_hist_cdf(self.itl_hist),
             kv_series=tuple(series),
             request_records=self._records() if self.keep_requests else (),
+            forecast_memory=self.sched.forecast.memory(),
         )
 
     def _records(self) -> tuple[RequestRecord, ...]:
@@ -1151,6 +1153,7 @@ def simulate(
     cost: CostModel | None = None,
     stalls: Sequence[tuple[float, float] | tuple[float, float, float]] = (),
     stall_speed: float = 0.0,
+    forecast: ForecastMemory | None = None,
 ) -> PolicyResult:
     """Replay ``requests`` (from :func:`~kvbudget.sim.scenario.apply_scenario`) through one policy.
 
@@ -1168,7 +1171,10 @@ def simulate(
     ``stall_speed`` of its speed (0: nothing at all; a step that meets one lasts longer, while
     the clock, arrivals and ticks go on), as a busy 2-core VM is sometimes barely scheduled; a
     span ``(begin, seconds, speed)`` runs at its own speed (0-1); spans must not overlap.
-    Deterministic for given inputs.
+    ``forecast``: what an earlier run's forecast had learned (its result's
+    ``forecast_memory``), taken over at the first arrival as a server that goes on serving
+    keeps it (its release rate, the calibration of its wait forecasts). Deterministic for
+    given inputs.
     """
     sim = _Sim(
         requests,
@@ -1185,6 +1191,8 @@ def simulate(
         stalls,
         stall_speed,
     )
+    if forecast is not None:
+        sim.sched.forecast.recall(forecast, min((r.arrival_s for r in requests), default=0.0))
     return sim.run()
 
 

@@ -32,6 +32,8 @@ from typing import Any
 
 import attrs
 
+from kvbudget.core.forecast import ForecastMemory
+
 __all__ = [
     "JSON_POLICY_KEYS",
     "PolicyResult",
@@ -176,6 +178,9 @@ class PolicyResult:
     kv_series: tuple[tuple[float, float, float], ...] = ()
     #: every request's record, when the run kept them (not part of the JSON figures)
     request_records: tuple[RequestRecord, ...] = ()
+    #: what the scheduler's forecast had learned when the run ended, for a next run of the same
+    #: server (``simulate(forecast=...)``; not part of the JSON figures)
+    forecast_memory: ForecastMemory | None = attrs.field(default=None, eq=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON figures: :data:`JSON_POLICY_KEYS` first, then the other table figures."""
