@@ -1040,6 +1040,7 @@ def prefill_probe_lengths(count: int, max_model_len: int, capacity_tokens: int) 
     longest = max(1, min(1024, max_model_len - 2, capacity_tokens // 2))
     return [max(1, longest * (i + 1) // count) for i in range(count)]
 
+
 #: the most parallel samples (``n``) one request may ask for: each is a budget request of its own
 MAX_PARALLEL_SAMPLES = 16
 
