@@ -164,3 +164,27 @@ def test_deadline_service_quantile_flag(tmp_path: Path) -> None:
     assert docs["0.5"]["scenario"]["deadline_service_quantile"] == 0.5
     off, on = (docs[k]["policies"]["calibrated"] for k in ("off", "0.5"))
     assert on["rejected"] > off["rejected"] and on["decoded_tokens"] < off["decoded_tokens"]
+
+
+def test_intake_flag_overrides_the_profiles(tmp_path: Path) -> None:
+    """``--intake-ms``: the engine's time per arriving request; by default the profile's (the
+    tiny CPU profile's, measured on bursts), else 0; the JSON's engine says which was used."""
+    from kvbudget.sim.profile import EngineProfile
+
+    shipped = EngineProfile.load("vllm-cpu-tiny").intake_s
+    assert shipped > 0.0
+    got = {}
+    for name, extra in (
+        ("default", []),
+        ("profile", ["--engine-profile", "vllm-cpu-tiny"]),
+        ("given", ["--engine-profile", "vllm-cpu-tiny", "--intake-ms", "2.5"]),
+    ):
+        out = tmp_path / f"{name}.json"
+        assert main([*TINY, "--policy", "calibrated", *extra, "--json", str(out)]) == 0
+        got[name] = json.loads(out.read_text())["engine"]["intake_s"]
+    assert got == {
+        "default": 0.0, "profile": pytest.approx(shipped), "given": pytest.approx(0.0025)
+    }
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            main([*TINY, "--intake-ms", bad])
