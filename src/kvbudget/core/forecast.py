@@ -194,11 +194,8 @@ class Forecast:
         self.late_first_token_share = memory.late_first_token_share
         window = self._config.wait_outcome_window
         self._outcomes = [
-            deque((when + shift, ok) for when, ok in band) for band in memory.outcomes
+            deque((when + shift, ok) for when, ok in band[-window:]) for band in memory.outcomes
         ]
-        for band in self._outcomes:
-            while len(band) > window:
-                band.popleft()
         self._in_time = [sum(ok for _, ok in band) for band in self._outcomes]
         self._share_at.clear()
 
