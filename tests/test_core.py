@@ -1141,6 +1141,10 @@ def test_drain_wait_hand_worked() -> None:
     # past it, the callers admitted into those blocks hold them a turnover: the releases repeat
     assert drain(7, 0.5) == approx(0.5 + 0.01)
     assert drain(13, 0.5) == approx(2 * 0.5 + 0.01)
+    # several deficits at once (a round of due callers, each with those ahead of it)
+    assert s.forecast.drain_waits([1, 3, 5, 7, 13], 0.5) == approx(
+        [0.01, 0.02, 0.04, 0.51, 1.01]
+    )
     s.confirm_release("done", 0.1)
     assert drain(4, 0.5) == approx(0.04)
 

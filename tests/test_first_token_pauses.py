@@ -6,6 +6,7 @@ arrival turn-away spared where pauses could serve the caller)."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 
 import attrs
@@ -423,3 +424,23 @@ def test_growth_of_a_less_important_stream_never_pauses_a_more_important_one() -
     s.charge("j", 1, 0.01)
     assert policy.on_blocked(i) is Blocked.PREEMPT_OTHERS
     assert policy.choose_victims(i, 1, [b, s.requests["j"]]) == [s.requests["j"]]
+
+
+def test_a_wave_pauses_for_the_callers_behind_a_head_the_drain_would_serve() -> None:
+    # 120 callers of 512 + 100..300 tokens at once on a fresh server: the first streams end
+    # soon enough for the head of the queue, but the callers behind it wait a turnover of the
+    # cache each 14 of them. Judged for the head alone (before the round was judged whole),
+    # the pauses began only as the head's slack ran out: 44 first tokens late, p50 1.69 s
+    s = measured(CalibratedPolicy())
+    rnd = random.Random(0)
+    e = Engine(s)
+    for i in range(120):
+        e.apply(s.arrive(f"r{i}", spec(max_tokens=rnd.randint(100, 300)), 0.0))
+    e.run()
+    assert not e.rejected
+    first_tokens = sorted(e.first_token.values())
+    assert len(first_tokens) == 120
+    assert first_tokens[-1] <= 2.0
+    assert first_tokens[60] < 1.5
+    assert [v for v in e.gave_way if v[1].startswith("admit:")]
+    assert e.s.snapshot().totals.completed == 120

@@ -12,7 +12,10 @@ on its answers.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import deque
+from collections.abc import Sequence
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import attrs
@@ -408,29 +411,36 @@ class Forecast:
         about ``turnover`` seconds (a caller's predicted service), so the same releases come
         again that much later, cycle after cycle.
         """
+        return self.drain_waits((deficit,), turnover)[0]
+
+    def drain_waits(self, deficits: Sequence[int], turnover: float) -> list[float | None]:
+        """:meth:`drain_wait` of each of ``deficits``, the engine's releases gathered once."""
         s = self._s
         ledger = s.ledger
         step = s.step_seconds()
         releases: list[tuple[float, int]] = [
             (step, ledger.footprint(r)) for r in s.stopping.values()
         ]
+        grown = 0
         for r in s.live.values():
             final = s.expected_length(r)
             grows = max(0, ledger.grant_blocks(r, final) - r.blocks)
-            deficit += grows
+            grown += grows
             releases.append(((final - r.generated) * step, ledger.footprint(r) + grows))
-        held = sum(blocks for _, blocks in releases)
-        if held <= 0:
-            return None
-        cycles, rest = divmod(deficit, held)
-        if rest == 0:
-            cycles, rest = cycles - 1, held
         releases.sort()
-        for at, blocks in releases:
-            rest -= blocks
-            if rest <= 0:
-                return cycles * max(turnover, at) + at
-        raise AssertionError("unreachable: the releases add up to what is held")  # pragma: no cover
+        times = [at for at, _ in releases]
+        returned = list(accumulate(blocks for _, blocks in releases))
+        held = returned[-1] if returned else 0
+        if held <= 0:
+            return [None] * len(deficits)
+        waits: list[float | None] = []
+        for deficit in deficits:
+            cycles, rest = divmod(deficit + grown, held)
+            if rest == 0:
+                cycles, rest = cycles - 1, held
+            at = times[bisect_left(returned, rest)]
+            waits.append(cycles * max(turnover, at) + at)
+        return waits
 
     @property
     def wait_outcome_samples(self) -> int:

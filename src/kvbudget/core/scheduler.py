@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import accumulate
 from typing import ParamSpec, TypeVar
 
 from kvbudget.core import events as ev
@@ -1224,7 +1225,16 @@ class Scheduler:
         if self.preempting:
             return False  # room is already on its way back; do not preempt twice for one head
         due = self._first_token_due(req)
-        if self._back_in_time(req, blocks) if due else self.released_in_time(req, blocks):
+        # the fresh callers queued behind a due head whose first tokens are due as well: one
+        # round of pauses serves all of them, and the drain must bring all of them in time for
+        # it to be spared (judged for the head alone, a wave's head is always "back in time"
+        # while the callers behind it run out of slack)
+        served = self._due_round(req) if due else [req]
+        wants = [blocks] + [
+            self.ledger.admission_blocks(r, r.generated + self._allowance(r)) for r in served[1:]
+        ]
+        round_blocks = sum(wants)
+        if self._back_in_time(served, wants) if due else self.released_in_time(req, blocks):
             # checkpoint others only at the last responsible moment: a preemption now would
             # only trade the victim's recompute for nothing
             return False
@@ -1259,17 +1269,7 @@ class Scheduler:
         if takes_headroom:
             # (a due caller got here only if the drain would not serve it in time)
             return within_floor and (policy_admits or due)
-        need = blocks - self.ledger.spare(protected=False)
-        served = [req]
-        if due:
-            # the fresh callers queued behind it whose first tokens are due as well: one round
-            # of pauses for all of them, not one confirmation round trip each
-            for other in self.queues.by_class[req.cls.name]:
-                if other is not req and self._first_token_due(other):
-                    need += self.ledger.admission_blocks(
-                        other, other.generated + self._allowance(other)
-                    )
-                    served.append(other)
+        need = round_blocks - self.ledger.spare(protected=False)
         victims = self._checked_victims(
             self._ask(self.policy.choose_victims, req, need, candidates), candidates, "admission"
         )
@@ -1284,6 +1284,16 @@ class Scheduler:
                 victim.gave_way = True  # (paused for a first token: requeued behind it)
             self._preempt(victim, now, actions, reason=f"admit:{req.request_id}")
         return False
+
+    def _due_round(self, head: Request) -> list[Request]:
+        """The due ``head`` and the fresh callers queued behind it in its class whose first
+        tokens are due as well: one round of pauses for all of them, not one confirmation
+        round trip each."""
+        return [head] + [
+            other
+            for other in self.queues.by_class[head.cls.name]
+            if other is not head and self._first_token_due(other)
+        ]
 
     def paused_for(self, request_id: str) -> bool:
         """Were streams paused for the queued caller ``request_id``'s first token? Such a
@@ -1307,22 +1317,51 @@ class Scheduler:
         slack = self.queue_slack(req)
         return slack is not None and slack <= at
 
-    def _back_in_time(self, req: Request, blocks: int) -> bool:
-        """For a caller whose first token is due: will the work in the engine itself return
-        the ``blocks`` it wants beyond what is free past the headroom target, within half the
-        time it may still wait? Judged by the drain of what the engine holds
-        (:meth:`Forecast.drain_wait`: each stream at its conditional median length at the
-        current pace), not from the recent release rate, which after a quiet spell or a
-        previous wave says little about the streams running now. Half: the forecast of a first
-        token is the optimistic side of a race with its objective."""
-        slack = self.queue_slack(req)
-        if slack is None:
+    def _back_in_time(self, due: Sequence[Request], wants: Sequence[int]) -> bool:
+        """For callers whose first tokens are due (a round: the head first, ``wants`` the
+        blocks each wants): may the pauses for them wait?
+
+        Only if the work in the engine itself returns what the head wants beyond what is free
+        past the headroom target within half the time it may still wait: judged by the drain
+        of what the engine holds (:meth:`Forecast.drain_wait`: each stream at its conditional
+        median length at the current pace), not from the recent release rate, which after a
+        quiet spell or a previous wave says little about the streams running now. Half: the
+        forecast of a first token is the optimistic side of a race with its objective.
+
+        And only if no caller behind the head needs the pauses to begin now: one whose need
+        with the callers' ahead of it the drain would not return in half its slack either, and
+        that would take more pause cycles than half its slack holds (a cycle frees what the
+        streams hold: its length is their prefill, a confirmation and a step), while its whole
+        slack still holds them (pauses that cannot bring it in time are not begun for it). A
+        wave's head is served by the first streams to end; the callers behind it, each a cycle
+        later, are not, and waiting for the head's own last moment left them too few cycles."""
+        head_slack = self.queue_slack(due[0])
+        deficits = [self._deficit(blocks) for blocks in accumulate(wants)]
+        judged: list[tuple[float, int]] = []
+        if head_slack is not None and deficits[0] > 0:
+            judged.append((head_slack, deficits[0]))
+        held = sum(self.ledger.footprint(r) for r in self.live.values())
+        if len(due) > 1 and held > 0:
+            cycle = (
+                self.cost.predict_prefill(held * self.capacity.block_size)
+                + 2.0 * self.step_seconds()
+            )
+            for req, deficit in zip(due[1:], deficits[1:], strict=True):
+                slack = self.queue_slack(req)
+                if slack is None or deficit <= 0:
+                    continue
+                cycles = -(-deficit // held) * cycle
+                if slack / 2.0 < cycles <= slack:
+                    judged.append((slack, deficit))
+        if not judged:
             return True
-        deficit = self._deficit(blocks)
-        if deficit <= 0:
-            return True
-        drain = self.forecast.drain_wait(deficit, self.forecast.predicted_service(req, 0.5))
-        return drain is not None and drain <= slack / 2.0
+        drains = self.forecast.drain_waits(
+            [deficit for _, deficit in judged], self.forecast.predicted_service(due[0], 0.5)
+        )
+        return all(
+            drain is not None and drain <= slack / 2.0
+            for (slack, _), drain in zip(judged, drains, strict=True)
+        )
 
     def expected_length(self, req: Request) -> int:
         """The output length ``req`` is expected to stop at, given what it has generated: its
