@@ -444,3 +444,32 @@ def test_a_wave_pauses_for_the_callers_behind_a_head_the_drain_would_serve() -> 
     assert first_tokens[60] < 1.5
     assert [v for v in e.gave_way if v[1].startswith("admit:")]
     assert e.s.snapshot().totals.completed == 120
+
+
+def test_a_caller_behind_the_head_begins_the_pauses_only_while_they_can_still_serve_it() -> None:
+    # Three streams hold the cache; the head is taken to fit what is free, the caller behind
+    # it to need two turnovers of what the streams hold (the blocks each wants are given).
+    # It begins the pauses now only where waiting for the head's own moment would leave it
+    # too few pause cycles (more than half its slack) while its whole slack still holds
+    # them; with more slack it waits, with less it is past help and nothing is paused for it.
+    s = measured(CalibratedPolicy(), blocks=64)
+    for rid in ("a", "b", "c"):
+        s.arrive(rid, spec(), 0.0)
+        s.charge(rid, 1, 0.01)
+    s.arrive("head", spec(), 0.0)
+    s.arrive("tail", spec(), 0.0)
+    head, tail = s.requests["head"], s.requests["tail"]
+    held = sum(s.ledger.footprint(r) for r in s.live.values())
+    free = s.ledger.free - s.ledger.headroom_target
+    wants = [max(1, free), 2 * held - 1]  # the head fits; the tail needs two turnovers
+    cycle = s.cost.predict_prefill(held * BLOCK) + 2.0 * s.step_seconds()
+    cycles = 2 * cycle
+
+    def pauses_begin(slack: float) -> bool:
+        s.now = tail.arrival + 2.0 - s.forecast.first_token_delay(tail) - slack
+        assert s.queue_slack(tail) == pytest.approx(slack)
+        return not s._back_in_time([head, tail], wants)
+
+    assert pauses_begin(1.5 * cycles)  # waiting would leave it too few cycles
+    assert not pauses_begin(2.5 * cycles)  # it can wait for a later round
+    assert not pauses_begin(0.5 * cycles)  # no round can serve it in time any more
