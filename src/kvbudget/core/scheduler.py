@@ -1226,9 +1226,9 @@ class Scheduler:
             return False  # room is already on its way back; do not preempt twice for one head
         due = self._first_token_due(req)
         # the fresh callers queued behind a due head whose first tokens are due as well: one
-        # round of pauses serves all of them, and the drain must bring all of them in time for
-        # it to be spared (judged for the head alone, a wave's head is always "back in time"
-        # while the callers behind it run out of slack)
+        # round of pauses serves all of them, so whether it may wait is judged for all of them
+        # (for the head alone, a wave's head is "back in time" while the callers behind it run
+        # out of the slack their own pause cycles need)
         served = self._due_round(req) if due else [req]
         wants = [blocks] + [
             self.ledger.admission_blocks(r, r.generated + self._allowance(r)) for r in served[1:]
@@ -1329,7 +1329,7 @@ class Scheduler:
         forecast of a first token is the optimistic side of a race with its objective.
 
         And only if no caller behind the head needs the pauses to begin now: one whose need
-        with the callers' ahead of it the drain would not return in half its slack either, and
+        with the callers ahead of it the drain would not return in half its slack either, and
         that would take more pause cycles than half its slack holds (a cycle frees what the
         streams hold: its length is their prefill, a confirmation and a step), while its whole
         slack still holds them (pauses that cannot bring it in time are not begun for it). A
