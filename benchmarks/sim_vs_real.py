@@ -987,10 +987,7 @@ def sim_stream_gap(
 def scaled_engine(engine: EngineModel, factor: float) -> EngineModel:
     """``engine`` with every step-time figure (and the abort latency and the intake) times
     ``factor``."""
-    return attrs.evolve(
-        engine, step=scaled_step(engine.step, factor),
-        abort_latency_s=engine.abort_latency_s * factor, intake_s=engine.intake_s * factor,
-    )
+    return attrs.evolve(engine, **scaled_timing(engine, factor))
 
 
 def paced_simulation(
@@ -1781,10 +1778,19 @@ def scaled(profile: EngineProfile, factor: float) -> EngineProfile:
     if factor == 1.0:
         return profile
     return attrs.evolve(
-        profile, step=scaled_step(profile.step, factor),
-        abort_latency_s=profile.abort_latency_s * factor, name=f"{profile.name} x{factor:g}",
-        intake_s=profile.intake_s * factor,
+        profile, name=f"{profile.name} x{factor:g}", **scaled_timing(profile, factor)
     )
+
+
+def scaled_timing(engine: EngineProfile | EngineModel, factor: float) -> dict[str, Any]:
+    """The timing fields of an engine profile or model, each times ``factor``: the step-time
+    figures, the abort latency (one step) and the intake (the one rule :func:`scaled` and
+    :func:`scaled_engine` apply)."""
+    return {
+        "step": scaled_step(engine.step, factor),
+        "abort_latency_s": engine.abort_latency_s * factor,
+        "intake_s": engine.intake_s * factor,
+    }
 
 
 def scaled_step(step: StepTimeModel, factor: float) -> StepTimeModel:
