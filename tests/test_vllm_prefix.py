@@ -101,12 +101,16 @@ async def _settle(be: Any, timeout: float = 5.0) -> None:
 
 
 class _Peak:
-    """The most requests vLLM ran at once and the most kvbudget had admitted, per step."""
+    """The most requests vLLM ran at once and the most kvbudget had admitted, per step, and how
+    long each finished request waited in vLLM's queue (engine-core time, arrival to scheduling)
+    against how long it decoded."""
 
     def __init__(self, env: _Env, be: Any) -> None:
         self.running = 0
         self.admitted = 0
         self.reserved = 0
+        self.queued: list[float] = []
+        self.decoding: list[float] = []
         stats = env.stats
         prev = self._prev = stats.record
         self._stats = stats
@@ -115,6 +119,10 @@ class _Peak:
             prev(scheduler_stats, iteration_stats, *a, **k)
             if scheduler_stats is not None:
                 self.running = max(self.running, scheduler_stats.num_running_reqs)
+            if iteration_stats is not None:
+                for done in iteration_stats.finished_requests:
+                    self.queued.append(done.queued_time)
+                    self.decoding.append(done.decode_time)
             snap = be.snapshot()
             self.admitted = max(self.admitted, snap.active)
             self.reserved = max(self.reserved, snap.reserved_blocks)
@@ -161,7 +169,13 @@ def test_twins_run_together_and_share_their_prefix(env: _Env) -> None:
     # block when it allocates it, so twins scheduled with the first one share it too)
     assert cached[0] == 0 and cached[1:] == [PREFIX] * 23, cached
     assert preempted == 0
-    assert peak.admitted == 24 and peak.running == 24, (peak.admitted, peak.running)
+    # kvbudget admits all 24 at once, and vLLM holds none of them back for blocks: a twin vLLM
+    # had no room for would wait in its queue until another twin's 40 tokens were done. (That
+    # vLLM *ran* all 24 in one step is not asserted: on a loaded machine the front end can hand
+    # the last twin to the engine core after the first twin finished; CI saw 23 at most once.)
+    assert peak.admitted == 24, peak.admitted
+    assert len(peak.queued) == 24, peak.queued
+    assert max(peak.queued) < min(peak.decoding) / 4, (peak.queued, peak.decoding, peak.running)
     assert peak.reserved <= 20 + 24 * 3, peak.reserved  # (2 blocks + slack each)
     assert snap.totals.prefix_shared_blocks == 23 * 20
     assert snap.totals.prefix_mismatches == 0 and be.prefix_mismatches == 0
