@@ -7,7 +7,8 @@
 What it does. It builds the tiny random Llama (:func:`kvbudget.engines.tiny_model.build_tiny_llama`,
 ``--model``, default ``.pytest_cache/kvbudget-tiny``) and starts, one after the other and never
 side by side, a server per *server kind* on identical engine settings (float32, eager, 257 KV
-blocks of 32 tokens, ``max_model_len`` 2048, 64 sequences):
+blocks of 32 tokens, ``max_model_len`` 2048, 64 sequences; ``--kv-blocks N`` and
+``--max-num-seqs N`` give every server another engine, a held-out one):
 
 * ``vllm``: ``python -m vllm.entrypoints.openai.api_server ... --served-model-name tiny``;
 * ``vllm-cap<N>``: the same with vLLM's own load shedding ``--max-num-queued-reqs N`` (it answers
@@ -219,6 +220,8 @@ KV_BLOCKS = 257
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 2048
 MAX_NUM_SEQS = 64
+#: the fewest ``--kv-blocks``: one sequence of the model's whole context, and vLLM's null block
+MIN_KV_BLOCKS = -(-MAX_MODEL_LEN // BLOCK_SIZE) + 1
 
 OUTCOMES = ("good", "late", "rejected", "rejected_503", "failed")
 #: the request outcomes that completed in full (the ones the burst cross-check compares)
@@ -461,17 +464,20 @@ class ServerSpec:
 
     def argv(
         self, model_dir: Path, port: int, policy: str, example_args: Sequence[str] = (),
-        vllm_args: Sequence[str] = (), serve_args: Sequence[str] = (),
+        vllm_args: Sequence[str] = (), serve_args: Sequence[str] = (), *,
+        kv_blocks: int = KV_BLOCKS, max_num_seqs: int = MAX_NUM_SEQS,
     ) -> list[str]:
         """The server's command line (``example_args``: appended to the example's;
-        ``vllm_args``: to vLLM's own server's; ``serve_args``: to ``kvbudget serve``'s)."""
+        ``vllm_args``: to vLLM's own server's; ``serve_args``: to ``kvbudget serve``'s;
+        ``kv_blocks`` and ``max_num_seqs``: the engine every server runs, ``--kv-blocks`` and
+        ``--max-num-seqs``)."""
         py = sys.executable
         if self.kind == "vllm":
             cmd = [
                 py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK_SIZE),
-                "--num-gpu-blocks-override", str(KV_BLOCKS), "--max-model-len",
-                str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--port", str(port),
+                "--num-gpu-blocks-override", str(kv_blocks), "--max-model-len",
+                str(MAX_MODEL_LEN), "--max-num-seqs", str(max_num_seqs), "--port", str(port),
                 "--served-model-name", SERVED_MODEL,
             ]
             if self.queue_cap is not None:
@@ -481,14 +487,14 @@ class ServerSpec:
             return [
                 py, "-m", "kvbudget.cli", "serve", str(model_dir), "--dtype", "float32",
                 "--enforce-eager", "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override",
-                str(KV_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs",
-                str(MAX_NUM_SEQS), "--port", str(port), "--served-model-name", SERVED_MODEL,
+                str(kv_blocks), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs",
+                str(max_num_seqs), "--port", str(port), "--served-model-name", SERVED_MODEL,
                 "--kvbudget-policy", policy, "--disable-uvicorn-access-log", *serve_args,
             ]
         return [
             py, "examples/fastapi_server.py", "--model", str(model_dir),
-            "--kv-blocks", str(KV_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN),
-            "--max-num-seqs", str(MAX_NUM_SEQS), "--port", str(port),
+            "--kv-blocks", str(kv_blocks), "--max-model-len", str(MAX_MODEL_LEN),
+            "--max-num-seqs", str(max_num_seqs), "--port", str(port),
             "--served-model-name", SERVED_MODEL, "--policy", policy, *example_args,
         ]
 
@@ -1944,6 +1950,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         f"{DEFAULT_PORT})")
     p.add_argument("--num-prompts-scale", type=float, default=1.0,
                    help="scale every workload's request count (quick runs: 0.2)")
+    p.add_argument("--kv-blocks", type=int, default=KV_BLOCKS, metavar="N",
+                   help=f"KV cache blocks of {BLOCK_SIZE} tokens of every server's engine, "
+                        f"vLLM's --num-gpu-blocks-override (N - 1 usable; a held-out engine; "
+                        f"default {KV_BLOCKS}; at least {MIN_KV_BLOCKS}: one sequence of the "
+                        f"model's {MAX_MODEL_LEN} tokens)")
+    p.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, metavar="N",
+                   help=f"vLLM's max_num_seqs on every server (default {MAX_NUM_SEQS})")
     p.add_argument("--repeat", type=int, default=1, help="runs of each workload per server")
     p.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=True,
                    help="with --repeat > 1, start every server afresh for each repeat, each "
@@ -1958,6 +1971,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--num-prompts-scale must be > 0")
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
+    if args.kv_blocks < MIN_KV_BLOCKS:
+        p.error(f"--kv-blocks must be >= {MIN_KV_BLOCKS} (a cache that cannot hold "
+                f"one {MAX_MODEL_LEN}-token sequence never runs a request of the whole context)")
+    if args.max_num_seqs < 1:
+        p.error("--max-num-seqs must be >= 1")
     if not 0 <= args.server_nice <= 19:
         p.error("--server-nice must be in [0, 19]")
     try:
@@ -1987,8 +2005,8 @@ SETTINGS_FILE = "settings.json"
 
 def run_settings(opts: argparse.Namespace, specs: Sequence[ServerSpec]) -> dict[str, Any]:
     """What decides the requests a run sent and who served them: its workloads, their
-    ``--bench-arg``s, seed and scale, the kvbudget policy and ``--example-arg``s, the servers
-    and the repeats (the
+    ``--bench-arg``s, seed and scale, the kvbudget policy and ``--example-arg``s, the servers,
+    the repeats and the engine (``--kv-blocks``, ``--max-num-seqs``) (the
     result's ``meta`` and an ``--out`` directory's :data:`SETTINGS_FILE`)."""
     return {
         "workloads": list(opts.workloads),
@@ -2001,6 +2019,8 @@ def run_settings(opts: argparse.Namespace, specs: Sequence[ServerSpec]) -> dict[
         "repeat": opts.repeat,
         "rotate": opts.rotate,
         "seed": opts.seed,
+        "kv_blocks": opts.kv_blocks,
+        "max_num_seqs": opts.max_num_seqs,
     }
 
 
@@ -2052,7 +2072,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # a later start of the same server keeps its files apart (its first repeat's)
             suffix = "" if spec.name not in servers_meta else f"-r{reps[0]}"
             argv_ = spec.argv(
-                opts.model, port, opts.policy, opts.example_arg, opts.vllm_arg, opts.serve_arg
+                opts.model, port, opts.policy, opts.example_arg, opts.vllm_arg, opts.serve_arg,
+                kv_blocks=opts.kv_blocks, max_num_seqs=opts.max_num_seqs,
             )
             log_path = out_dir / f"server-{spec.name}{suffix}.log"
             meta: dict[str, Any] = servers_meta.setdefault(

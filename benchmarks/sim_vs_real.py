@@ -19,6 +19,8 @@ serve_bench's result (``{"workloads": {NAME: {SERVER: {...}}}, ...}``). The requ
 the ones that run sent: its workloads, ``--bench-arg``, seed, scale, policy and the policy's
 settings among its ``--example-arg`` (``--first-token-pause-share``) come from the run
 (its directory's ``settings.json``, its result's ``meta``); one given here that differs is refused.
+So does the engine they ran on (serve_bench's ``--kv-blocks`` and ``--max-num-seqs``): the
+simulated engine has that cache and batch limit whatever profile it is given.
 A run made before serve_bench recorded them takes this command's, and the output warns (line and
 JSON ``translation_mismatch``) where the simulated lengths are not the run's.
 
@@ -1411,7 +1413,7 @@ def load_real(path: Path) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[st
 #: their defaults (serve_bench's own)
 RUN_SETTINGS: dict[str, Any] = {
     "bench_arg": [], "seed": 0, "num_prompts_scale": 1.0, "policy": "calibrated",
-    "example_arg": [],
+    "example_arg": [], "kv_blocks": sb.KV_BLOCKS, "max_num_seqs": sb.MAX_NUM_SEQS,
 }
 #: each as serve_bench records it (its result's ``meta``, its ``--out`` directory's settings)
 _RECORDED_AS = {"bench_arg": "bench_args", "example_arg": "example_args"}
@@ -1503,6 +1505,7 @@ def run_real(opts: argparse.Namespace, out_dir: Path) -> Path:
         argv += ["--workload", name]
     argv += [f"--bench-arg={arg}" for arg in opts.bench_arg]
     argv += [f"--example-arg={arg}" for arg in opts.example_arg]
+    argv += ["--kv-blocks", str(opts.kv_blocks), "--max-num-seqs", str(opts.max_num_seqs)]
     print(f"# real run: {' '.join(argv[1:])}", file=sys.stderr, flush=True)
     # the machine's load around the run: the engine's speed depends on it (2 shared cores)
     before = os.getloadavg()
@@ -1750,6 +1753,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "--first-token-pause-share, are simulated; default: the run's, else none)")
     p.add_argument("--seed", type=int, default=None,
                    help="serve_bench's dataset seed (default: the run's, else 0)")
+    p.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                   help="serve_bench's --kv-blocks: the engine's cache, N - 1 usable blocks "
+                        f"(default: the run's, else {sb.KV_BLOCKS}); the simulated engine "
+                        "has it whatever the profile says")
+    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help="serve_bench's --max-num-seqs (default: the run's, else "
+                        f"{sb.MAX_NUM_SEQS}); the simulated engine's batch limit")
     p.add_argument("--num-prompts-scale", type=float, default=None,
                    help="serve_bench's request-count scale (default: the run's, else 1)")
     p.add_argument("--model", type=Path, default=None,
@@ -1769,6 +1779,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--stall-speed must be in [0, 1]")
     if args.intake_ms is not None and not 0.0 <= args.intake_ms < math.inf:
         p.error("--intake-ms must be a finite number >= 0")
+    if args.kv_blocks < sb.MIN_KV_BLOCKS:
+        p.error(f"--kv-blocks must be >= {sb.MIN_KV_BLOCKS}")
+    if args.max_num_seqs < 1:
+        p.error("--max-num-seqs must be >= 1")
     return args
 
 
@@ -1814,6 +1828,14 @@ def speed_check(result: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | Non
         return None
     return {"workload": "abandon", "server": "vllm", "tpot_p50_ms_real": real,
             "tpot_p50_ms_sim": sim, "real_over_sim": round(real / sim, 2)}
+
+
+def run_engine(profile: EngineProfile, kv_blocks: int, max_num_seqs: int) -> EngineProfile:
+    """``profile`` with the cache and batch limit of the engine the run's servers ran
+    (serve_bench's ``--kv-blocks``, of which vLLM keeps one block back, and
+    ``--max-num-seqs``): a profile fitted from that run has them already; a shipped one, or
+    one fitted from another run, has its own engine's."""
+    return attrs.evolve(profile, capacity_blocks=kv_blocks - 1, max_batch=max_num_seqs)
 
 
 def load_profile(
@@ -1873,11 +1895,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         real_source = str(out_dir)
         run_dir = out_dir
     load_file = run_dir / "load.json" if run_dir is not None else None
-    profile = scaled(
-        load_profile(opts.engine_profile, run_dir, opts.intake_ms), opts.step_scale
-    )
+    loaded = load_profile(opts.engine_profile, run_dir, opts.intake_ms)
+    profile = scaled(run_engine(loaded, opts.kv_blocks, opts.max_num_seqs), opts.step_scale)
     print(f"# engine profile: {profile.name} ({profile.source}); intake "
           f"{1e3 * profile.intake_s:g} ms per request", file=sys.stderr)
+    if (loaded.capacity_blocks, loaded.max_batch) != (profile.capacity_blocks, profile.max_batch):
+        print(f"# the run's engine: {profile.capacity_blocks} blocks, max_num_seqs "
+              f"{profile.max_batch} (the profile's {loaded.capacity_blocks} and "
+              f"{loaded.max_batch} replaced)", file=sys.stderr)
     if opts.send_times == "real" and not records:
         raise SystemExit("--send-times real needs the real run's records (a serve_bench --out DIR)")
     send_times = "planned" if opts.send_times == "planned" or not records else "real"
@@ -1976,6 +2001,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.loads(load_file.read_text()) if load_file and load_file.exists() else None
             ),
             "engine_profile": profile.name,
+            "engine": {"capacity_blocks": profile.capacity_blocks, "max_batch": profile.max_batch},
             "intake_s": profile.intake_s,
             "step_scale": opts.step_scale,
             "paced": list(paced),

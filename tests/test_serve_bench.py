@@ -156,6 +156,32 @@ def test_each_kind_of_server_takes_its_own_extra_arguments() -> None:
     assert sb.parse_args(["--serve-arg=--disable-log-stats"]).serve_arg == ["--disable-log-stats"]
 
 
+def test_every_server_runs_the_engine_asked_for() -> None:
+    """``--kv-blocks`` / ``--max-num-seqs``: the same held-out engine on every server, recorded
+    in the run's settings (sim_vs_real simulates it); a cache that cannot hold one sequence of
+    the model's context is refused (a request of the whole context could never run)."""
+    def flag(argv: list[str], name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    vllm, example, serve = sb.parse_servers("vllm,kvbudget,kvbudget-serve", None)
+    default = vllm.argv(pathlib.Path("/m"), 1, "p")
+    assert flag(default, "--num-gpu-blocks-override") == str(sb.KV_BLOCKS)
+    assert flag(default, "--max-num-seqs") == str(sb.MAX_NUM_SEQS)
+    opts = sb.parse_args(["--kv-blocks", "97", "--max-num-seqs", "12"])
+    engine = {"kv_blocks": opts.kv_blocks, "max_num_seqs": opts.max_num_seqs}
+    for spec, blocks in ((vllm, "--num-gpu-blocks-override"), (serve, "--num-gpu-blocks-override"),
+                         (example, "--kv-blocks")):
+        argv = spec.argv(pathlib.Path("/m"), 1, "p", **engine)
+        assert (flag(argv, blocks), flag(argv, "--max-num-seqs")) == ("97", "12"), spec.name
+    settings = sb.run_settings(opts, [])
+    assert (settings["kv_blocks"], settings["max_num_seqs"]) == (97, 12)
+    assert sb.MIN_KV_BLOCKS == 65  # 2,048 tokens in blocks of 32, and vLLM's null block
+    sb.parse_args(["--kv-blocks", "65"])
+    for bad in (["--kv-blocks", "64"], ["--max-num-seqs", "0"]):
+        with pytest.raises(SystemExit):
+            sb.parse_args(bad)
+
+
 def test_rotated_repeats_give_every_server_every_place_in_turn() -> None:
     specs = sb.parse_servers("vllm,kvbudget,kvbudget-serve", None)
     starts = sb.server_starts(specs, 3, rotate=True)

@@ -306,9 +306,12 @@ def test_records_dir_and_translation_check(
     assert "burst" in text.splitlines()[2]  # the table row
 
 
-def _held_out_run(run: pathlib.Path, bench_args: list[str], settings: bool) -> None:
+def _held_out_run(
+    run: pathlib.Path, bench_args: list[str], settings: bool, engine: tuple[str, ...] = ()
+) -> None:
     """A serve_bench ``--out`` directory of the burst made with ``bench_args``: its records
-    follow that plan; ``settings``: the run recorded them (serve_bench's settings.json)."""
+    follow that plan; ``settings``: the run recorded them (serve_bench's settings.json), with
+    ``engine`` (serve_bench's ``--kv-blocks`` / ``--max-num-seqs``)."""
     run.mkdir()
     plan = svr.plan_workload("burst", 0, TOK, 1.0, bench_args)
     for server in ("vllm", "kvbudget"):
@@ -321,7 +324,9 @@ def _held_out_run(run: pathlib.Path, bench_args: list[str], settings: bool) -> N
             {"summary": _summary(20, 10), "records": records}
         ))
     if settings:
-        opts = sb.parse_args(["--workload", "burst", *(f"--bench-arg={a}" for a in bench_args)])
+        opts = sb.parse_args(
+            ["--workload", "burst", *engine, *(f"--bench-arg={a}" for a in bench_args)]
+        )
         (run / sb.SETTINGS_FILE).write_text(json.dumps(sb.run_settings(opts, [])))
 
 
@@ -355,6 +360,33 @@ def test_real_runs_settings_plan_the_simulated_requests(
     held = [f"--bench-arg={a}" for a in held_out]
     assert svr.main(["--real", str(tmp_path / "old"), "--workload", "burst", *held]) == 0
     assert _last_json(capsys.readouterr().out)["translation_mismatch"] == []
+
+
+def test_the_engine_the_run_ran_is_simulated(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run made on a held-out engine (serve_bench ``--kv-blocks 80 --max-num-seqs 8``) is
+    simulated on that engine, not on the profile's (the shipped one here: 256 blocks, 64
+    sequences); a run that recorded no engine ran serve_bench's default one."""
+    _held_out_run(tmp_path / "small", [], settings=True,
+                  engine=("--kv-blocks", "80", "--max-num-seqs", "8"))
+    _held_out_run(tmp_path / "default", [], settings=True)
+    outs = {}
+    for name in ("small", "default"):
+        assert svr.main(["--real", str(tmp_path / name)]) == 0
+        outs[name] = _last_json(capsys.readouterr().out)
+    small, default = outs["small"], outs["default"]
+    assert small["meta"]["engine"] == {"capacity_blocks": 79, "max_batch": 8}
+    assert default["meta"]["engine"] == {"capacity_blocks": sb.KV_BLOCKS - 1,
+                                         "max_batch": sb.MAX_NUM_SEQS}
+    # 30 callers of 512 + 300 tokens: 8 at a time on the small engine, all at once on the other
+    sim_small = small["workloads"]["burst"]["vllm"]["sim"]
+    sim_default = default["workloads"]["burst"]["vllm"]["sim"]
+    assert sim_small["ttft_p50_s"] > 2 * sim_default["ttft_p50_s"], (sim_small, sim_default)
+    with pytest.raises(SystemExit, match="--kv-blocks 257 differs from the real run's 80"):
+        svr.main(["--real", str(tmp_path / "small"), "--kv-blocks", "257"])
+    with pytest.raises(SystemExit):
+        svr.parse_args(["--sim-only", "--kv-blocks", "10"])  # not one 2,048-token sequence
 
 
 def test_run_settings_come_from_a_result_line_too(tmp_path: pathlib.Path) -> None:
