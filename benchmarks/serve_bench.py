@@ -676,7 +676,7 @@ class ServerProcess:
         """CPU time used so far by the server's front-end process (its HTTP handling,
         tokenization, output processing and, for kvbudget, the budget: every thread of it) and
         by its child processes (vLLM's engine core), from the OS; None once it is gone."""
-        import psutil  # (vLLM's own dependency)
+        import psutil  # type: ignore[import-untyped]  # (vLLM's own dependency; no stubs)
 
         if self.proc is None:
             return {"frontend_cpu_s": None, "engine_cpu_s": None}

@@ -651,6 +651,8 @@ def classify_sim(
         return "failed"
     if rec.service_class == "batch":
         done = rec.finished_s if rec.finished_s is not None else rec.last_token_s
+        if done is None:
+            return "failed"
         return "good" if done - rec.arrival_s <= sb.BATCH_DEADLINE_S else "late"
     if not sb.in_time(ttft, tpot):
         return "late"
@@ -722,7 +724,8 @@ def is_simulated(server: str) -> bool:
 def servers_in_order(names: Collection[str]) -> tuple[str, ...]:
     """:data:`SERVERS` and the capped vLLM servers among ``names``, in serve_bench's order
     (vLLM's server, the capped ones by cap, the example)."""
-    capped = sorted((n for n in names if sb.queue_cap(n) is not None), key=sb.queue_cap)
+    caps = {n: cap for n in names if (cap := sb.queue_cap(n)) is not None}
+    capped = sorted(caps, key=caps.__getitem__)
     return (SERVERS[0], *capped, *SERVERS[1:])
 
 
