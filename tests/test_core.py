@@ -1977,3 +1977,40 @@ def test_a_forecast_taken_over_by_another_scheduler_answers_as_it_would_have() -
     t.arrive("later", spec(prompt=1, max_tokens=3), 100.0 + WAIT_OUTCOME_HORIZON_S + 1.0)
     g.in_time_share(5.0)
     assert t.snapshot().wait_forecast_samples == 0
+
+
+def test_a_caller_the_batch_cap_holds_back_is_told_at_arrival() -> None:
+    """Room for every block, a batch cap of 2 sequences (``max_active``, vLLM's
+    ``max_num_seqs``), 2,000-token answers ending one a second: with two streams live and more
+    callers queued behind the cap, a newcomer would wait for a sequence slot per caller ahead of
+    it, at a slot a second, beyond its 2 s bound, and the live streams are not expected to end
+    before it: it is turned away at arrival ("deadline"), not queued to time out at its bound.
+    Before the slots were in the forecast, its wait was one block at the block release rate
+    (2 ms) and it was queued. A caller with a slot ahead of it within its bound is queued; the
+    slots' drain is the live streams' expected ends, then cycles of the turnover."""
+    s = Scheduler(Capacity(10_000, 4), policy=ReserveMaxFront(),
+                  config=SchedulerConfig(max_active=2))
+    for k in range(20):  # one stream of 2,000 tokens ending every second
+        s.arrive(f"w{k}", spec(prompt=4, max_tokens=2000, cls="interactive"), float(k))
+        s.charge(f"w{k}", 2000, float(k) + 0.9)
+        s.finish(f"w{k}", "stop", float(k) + 0.9)
+        s.confirm_release(f"w{k}", float(k) + 0.95)
+    t = 20.0
+    for rid in ("a", "b"):
+        assert of(s.arrive(rid, spec(prompt=4, max_tokens=2000, cls="interactive"), t), ev.Admit)
+    assert s.active == 2
+    out = s.arrive("q0", spec(prompt=4, max_tokens=2000, cls="interactive"), t)
+    assert not of(out, ev.Reject) and s.requests["q0"].state is State.QUEUED
+    wait, measured = s.forecast.wait_estimate(s.requests["q0"])
+    assert measured and 1.5 <= wait <= 3.0, wait  # two slots (its own counted again) at ~1/s
+    turned = []
+    for k in range(1, 6):
+        out = s.arrive(f"q{k}", spec(prompt=4, max_tokens=2000, cls="interactive"), t)
+        turned += [r.reason for r in of(out, ev.Reject)]
+    assert turned and set(turned) == {"deadline"}, turned
+    assert s.queues.count_ahead(s.classes["interactive"]) <= 2  # q0 and at most one more
+    step = s.step_seconds()
+    e1, e2 = sorted((s.expected_length(r) - r.generated) * step for r in s.live.values())
+    drain = s.forecast.slot_drain_wait
+    assert drain(1, 0.0) == e1 and drain(2, 0.0) == e2
+    assert drain(3, 100.0) == 100.0 + e1 and drain(4, 0.0) == 2 * e2  # a cycle, then again

@@ -124,6 +124,7 @@ class ForecastMemory:
     ft_prompts: tuple[float, float | None, float | None]
     late_first_token_share: float
     outcomes: tuple[tuple[tuple[float, bool], ...], ...]
+    ends: tuple[float, float | None, float | None] = (0.0, None, None)
 
 
 class Forecast:
@@ -131,6 +132,7 @@ class Forecast:
 
     __slots__ = (
         "_config",
+        "_ends",
         "_ft_prompts",
         "_idle_since",
         "_idle_total",
@@ -152,6 +154,9 @@ class Forecast:
         # clock that stops while it holds none (_busy_clock), so an idle spell between two
         # busy ones does not read as a slow cache (which turned away most of the next surge)
         self._releases = DecayingRate(config.release_rate_window_s, warm_up=True)
+        # streams that left the engine's batch (each stop frees a sequence slot: the wait of a
+        # caller the batch cap holds back, SchedulerConfig.max_active), on the same clock
+        self._ends = DecayingRate(config.release_rate_window_s, warm_up=True)
         self._idle_total = 0.0
         self._idle_since: float | None = None
         # prompt tokens of callers under a first-token objective (first_token_prefill_rate)
@@ -177,6 +182,7 @@ class Forecast:
         return ForecastMemory(
             at=self._s.now,
             releases=self._releases.state(),
+            ends=self._ends.state(),
             idle_total=self._idle_total,
             idle_since=self._idle_since,
             ft_prompts=self._ft_prompts.state(),
@@ -191,6 +197,7 @@ class Forecast:
         then either)."""
         shift = resumed_at - memory.at
         self._releases.restore(memory.releases, shift)
+        self._ends.restore(memory.ends, shift)
         self._ft_prompts.restore(memory.ft_prompts, shift)
         self._idle_total = memory.idle_total
         self._idle_since = None if memory.idle_since is None else memory.idle_since + shift
@@ -216,6 +223,10 @@ class Forecast:
 
     def note_release(self, blocks: int, now: float) -> None:
         self._releases.add(blocks, self._busy_clock(now))
+
+    def note_end(self, now: float) -> None:
+        """A stream left the engine's batch at ``now`` (stopped: its sequence slot is free)."""
+        self._ends.add(1.0, self._busy_clock(now))
 
     def note_idle(self, now: float, idle: bool) -> None:
         """From ``now`` the engine holds no blocks (``idle``), or holds some again."""
@@ -382,6 +393,15 @@ class Forecast:
         is free for admission now."""
         return self._queues.blocks_ahead(req.cls) + req.want_blocks - self._s.ledger.admission_free
 
+    def slot_deficit(self, req: Request) -> int:
+        """Sequence slots that ``req`` and everything queued ahead of it want beyond those free
+        under the batch cap now (``SchedulerConfig.max_active``; <= 0: the cap holds no one
+        back, as without one)."""
+        cap = self._config.max_active
+        if cap is None:
+            return 0
+        return self._queues.count_ahead(req.cls) + 1 - (cap - self._s.active)
+
     def estimated_wait(self, req: Request) -> float:
         """Seconds until ``req`` could be admitted, from the queue ahead and the release rate."""
         return self.wait_estimate(req)[0]
@@ -392,13 +412,23 @@ class Forecast:
         error of)."""
         s = self._s
         deficit = self.deficit(req)
-        if deficit <= 0 and (self._config.max_active is None or s.active < self._config.max_active):
+        slots = self.slot_deficit(req)
+        if deficit <= 0 and slots <= 0:
             return 0.0, True
-        deficit = max(deficit, 1)
-        rate = self.release_rate(s.now)
-        if rate <= 0.0:
-            return (0.0 if s.active + s.releasing == 0 else self._config.min_retry_after_s), False
-        return deficit / rate, True
+        unmeasured = (0.0 if s.active + s.releasing == 0 else self._config.min_retry_after_s), False
+        wait = 0.0
+        if deficit > 0:
+            rate = self.release_rate(s.now)
+            if rate <= 0.0:
+                return unmeasured
+            wait = deficit / rate
+        if slots > 0:
+            # the batch is full: a slot frees as a stream stops, at the rate streams have
+            ends = self._ends.rate(self._busy_clock(s.now))
+            if ends <= 0.0:
+                return unmeasured
+            wait = max(wait, slots / ends)
+        return wait, True
 
     def drain_wait(self, deficit: int, turnover: float) -> float | None:
         """Seconds until ``deficit`` blocks beyond what is free come back as the work in the
@@ -515,8 +545,30 @@ class Forecast:
         (:meth:`drain_wait`)."""
         if not (wait > 0.0 and bound is not None and self.unlikely_in_time(wait, bound, pauses)):
             return False
-        drain = self.drain_wait(max(1, self.deficit(req)), self.predicted_service(req, 0.5))
-        return drain is None or drain > bound
+        service = self.predicted_service(req, 0.5)
+        drain = self.drain_wait(max(1, self.deficit(req)), service)
+        if drain is None or drain > bound:
+            return True
+        slots = self.slot_deficit(req)
+        if slots <= 0:
+            return False
+        ends = self.slot_drain_wait(slots, service)
+        return ends is None or ends > bound
+
+    def slot_drain_wait(self, slots: int, turnover: float) -> float | None:
+        """Seconds until ``slots`` sequence slots free up under the batch cap as the live
+        streams end, each at its expected length at the current pace (None: none is live);
+        past them, the cache turns over every ``turnover`` seconds (:meth:`drain_waits`)."""
+        s = self._s
+        step = s.step_seconds()
+        ends = sorted((s.expected_length(r) - r.generated) * step for r in s.live.values())
+        if not ends:
+            return None
+        cycles, rest = divmod(slots, len(ends))
+        if rest == 0:
+            cycles, rest = cycles - 1, len(ends)
+        at = ends[rest - 1]
+        return cycles * max(turnover, at) + at
 
     def clamp_retry(self, wait: float) -> float:
         """``wait`` as callers are told it: within ``[min_retry_after_s, max_retry_after_s]``."""

@@ -147,6 +147,15 @@ class Queues:
     def count(self) -> int:
         return sum(self.by_class[c.name].count for c in self.order)
 
+    def count_ahead(self, cls: ServiceClass) -> int:
+        """Requests queued in ``cls`` and in the classes served before it."""
+        ahead = 0
+        for c in self.order:
+            if c.priority > cls.priority:
+                break
+            ahead += self.by_class[c.name].count
+        return ahead
+
     def blocks_ahead(self, cls: ServiceClass) -> int:
         """Blocks wanted by everything queued in ``cls`` and in the classes served before it."""
         ahead = 0

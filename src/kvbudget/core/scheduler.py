@@ -285,8 +285,15 @@ class Scheduler:
         # at once skips it (it is most of an arrival's cost), one that stays queued gets it below
         req.expiry = forecast.queue_expiry(req, service=wait > 0.0)
         bound = forecast.wait_bound(req, now)
-        # (asked of the policy only where a turn-away is possible: most arrivals wait for nothing)
-        pauses = wait > 0.0 and bound is not None and self._first_token_pause_at(req) is not None
+        # (asked of the policy only where a turn-away is possible: most arrivals wait for nothing;
+        # a pause frees blocks, and the admission pass stops at the batch cap before weighing
+        # one, so none serves a caller the cap holds back)
+        pauses = (
+            wait > 0.0
+            and bound is not None
+            and self._first_token_pause_at(req) is not None
+            and forecast.slot_deficit(req) <= 0
+        )
         if forecast.turns_away(req, wait, bound, pauses) and not (
             pauses and self._served_by_pauses(req)
         ):
@@ -580,6 +587,7 @@ class Scheduler:
             self._waiting_ext.pop(req.request_id, None)
         if was_live:
             self._leave_active(req)
+            self.forecast.note_end(now)
             self.releasing += 1
             self._stopping[req.request_id] = req
         elif req.state is State.RELEASING and trigger is not Trigger.PREEMPT:
