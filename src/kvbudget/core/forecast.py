@@ -1,9 +1,10 @@
 """The forecast: when blocks come back, how long a caller would wait, when a queued request is
 turned away, what it is told to retry after, and whether its first token would be late.
 
-It learns from four streams the scheduler feeds it (blocks released, the prompt tokens of
-callers under a first-token objective, whether each first token met its objective, and whether
-each caller queued on a wait forecast was admitted in time); it is handed
+It learns from five streams the scheduler feeds it (blocks released, streams stopped (the
+sequence slots freed under a batch cap), the prompt tokens of callers under a first-token
+objective, whether each first token met its objective, and whether each caller queued on a wait
+forecast was admitted in time); it is handed
 the scheduler's queues and configuration, and reads the rest of the scheduler through
 :class:`~kvbudget.core.view.SchedulerView`. It decides nothing: the scheduler turns callers away
 on its answers.
@@ -64,6 +65,20 @@ def wait_pressure_band(pressure: float) -> int:
     if pressure == math.inf:
         return WAIT_PRESSURE_BANDS - 1
     return min(WAIT_PRESSURE_BANDS - 1, 1 + int(2.0 * math.log2(pressure / WAIT_PRESSURE_FROM)))
+
+
+def _turned_over(
+    times: Sequence[float], returned: Sequence[int], need: int, turnover: float
+) -> float:
+    """When ``need`` units (blocks, sequence slots) have come back, where ``returned[i]`` of
+    them (a running total) are back ``times[i]`` seconds from now, and past all of them the
+    same releases come again every ``max(turnover, that time)`` seconds, cycle after cycle."""
+    held = returned[-1]
+    cycles, rest = divmod(need, held)
+    if rest == 0:
+        cycles, rest = cycles - 1, held
+    at = times[bisect_left(returned, rest)]
+    return cycles * max(turnover, at) + at
 
 
 class DecayingRate:
@@ -403,7 +418,8 @@ class Forecast:
         return self._queues.count_ahead(req.cls) + 1 - (cap - self._s.active)
 
     def estimated_wait(self, req: Request) -> float:
-        """Seconds until ``req`` could be admitted, from the queue ahead and the release rate."""
+        """Seconds until ``req`` could be admitted, from the queue ahead and the release rate
+        (and, where the batch cap holds it back, the rate streams stop)."""
         return self.wait_estimate(req)[0]
 
     def wait_estimate(self, req: Request) -> tuple[float, bool]:
@@ -463,14 +479,7 @@ class Forecast:
         held = returned[-1] if returned else 0
         if held <= 0:
             return [None] * len(deficits)
-        waits: list[float | None] = []
-        for deficit in deficits:
-            cycles, rest = divmod(deficit + grown, held)
-            if rest == 0:
-                cycles, rest = cycles - 1, held
-            at = times[bisect_left(returned, rest)]
-            waits.append(cycles * max(turnover, at) + at)
-        return waits
+        return [_turned_over(times, returned, deficit + grown, turnover) for deficit in deficits]
 
     @property
     def wait_outcome_samples(self) -> int:
@@ -558,17 +567,14 @@ class Forecast:
     def slot_drain_wait(self, slots: int, turnover: float) -> float | None:
         """Seconds until ``slots`` sequence slots free up under the batch cap as the live
         streams end, each at its expected length at the current pace (None: none is live);
-        past them, the cache turns over every ``turnover`` seconds (:meth:`drain_waits`)."""
+        past them, the batch turns over every ``turnover`` seconds, as the cache does in
+        :meth:`drain_waits`."""
         s = self._s
         step = s.step_seconds()
         ends = sorted((s.expected_length(r) - r.generated) * step for r in s.live.values())
         if not ends:
             return None
-        cycles, rest = divmod(slots, len(ends))
-        if rest == 0:
-            cycles, rest = cycles - 1, len(ends)
-        at = ends[rest - 1]
-        return cycles * max(turnover, at) + at
+        return _turned_over(ends, range(1, len(ends) + 1), slots, turnover)
 
     def clamp_retry(self, wait: float) -> float:
         """``wait`` as callers are told it: within ``[min_retry_after_s, max_retry_after_s]``."""

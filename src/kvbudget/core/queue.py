@@ -147,23 +147,20 @@ class Queues:
     def count(self) -> int:
         return sum(self.by_class[c.name].count for c in self.order)
 
-    def count_ahead(self, cls: ServiceClass) -> int:
-        """Requests queued in ``cls`` and in the classes served before it."""
-        ahead = 0
+    def _through(self, cls: ServiceClass) -> Iterator[ClassQueue]:
+        """The queues of ``cls`` and of the classes served before it."""
         for c in self.order:
             if c.priority > cls.priority:
-                break
-            ahead += self.by_class[c.name].count
-        return ahead
+                return
+            yield self.by_class[c.name]
+
+    def count_ahead(self, cls: ServiceClass) -> int:
+        """Requests queued in ``cls`` and in the classes served before it."""
+        return sum(queue.count for queue in self._through(cls))
 
     def blocks_ahead(self, cls: ServiceClass) -> int:
         """Blocks wanted by everything queued in ``cls`` and in the classes served before it."""
-        ahead = 0
-        for c in self.order:
-            if c.priority > cls.priority:
-                break
-            ahead += self.by_class[c.name].want_blocks
-        return ahead
+        return sum(queue.want_blocks for queue in self._through(cls))
 
     def expired(self, now: float) -> list[Request]:
         """Queued requests whose expiry ``now`` has passed, in class order (refreshes the
