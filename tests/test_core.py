@@ -2014,3 +2014,23 @@ def test_a_caller_the_batch_cap_holds_back_is_told_at_arrival() -> None:
     drain = s.forecast.slot_drain_wait
     assert drain(1, 0.0) == e1 and drain(2, 0.0) == e2
     assert drain(3, 100.0) == 100.0 + e1 and drain(4, 0.0) == 2 * e2  # a cycle, then again
+
+
+def test_below_the_batch_cap_a_queue_waiting_for_blocks_is_not_counted_in_slots() -> None:
+    """A batch cap of 4, one stream holding every block and five callers queued for blocks:
+    more callers than free slots, but the cap holds no one back (the stream whose end returns
+    the blocks frees its slot too), so no slot is counted; at the cap the queue is (an earlier
+    version counted the queue against the free slots here, and over the real engine with twice
+    the cache turned away callers the blocks served in time)."""
+    s = Scheduler(Capacity(16, 4), policy=ReserveMaxFront(), config=SchedulerConfig(max_active=4))
+    assert of(s.arrive("hog", spec(prompt=4, max_tokens=60, cls="interactive"), 0.0), ev.Admit)
+    for k in range(5):
+        s.arrive(f"q{k}", spec(prompt=4, max_tokens=60, cls="interactive"), 0.0)
+    assert s.active == 1 and s.queues.count_ahead(s.classes["interactive"]) == 5
+    assert s.forecast.slot_deficit(s.requests["q4"]) == 0
+    s2 = Scheduler(Capacity(1000, 4), policy=ReserveMaxFront(),
+                   config=SchedulerConfig(max_active=2))
+    for rid in ("a", "b", "q0", "q1"):
+        s2.arrive(rid, spec(prompt=4, max_tokens=60, cls="interactive"), 0.0)
+    assert s2.active == 2
+    assert s2.forecast.slot_deficit(s2.requests["q1"]) == 3  # q0, q1 (counted again), + 1
