@@ -694,6 +694,12 @@ def summarize_sim(
     out.update(sb.freeze_figures(
         [r.longest_gap_s for r in complete if r.longest_gap_s is not None]
     ))
+    # (serve_bench's good_unfrozen: good, and an interactive stream that never froze)
+    out["good_unfrozen"] = sum(
+        1 for r in records
+        if classify_sim(r, client, limits.cut.get(r.request_id)) == "good"
+        and (r.service_class == "batch" or (r.longest_gap_s or 0.0) <= sb.FREEZE_GAP_S)
+    )
     return out
 
 

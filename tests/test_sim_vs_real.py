@@ -10,6 +10,7 @@ import math
 import pathlib
 from typing import Any
 
+import attrs
 import pytest
 
 from _bench_loader import load_benchmark
@@ -439,12 +440,16 @@ def test_freezes_real_and_simulated() -> None:
         return RequestRecord(
             request_id=f"r{i}", arrival_s=0.0, end="completed" if first else "rejected",
             prompt_tokens=10, output_tokens=20 if first else 0, expected_tokens=20,
-            first_token_s=first, last_token_s=None if first is None else first + 3.0,
-            finished_s=None if first is None else first + 3.0, longest_gap_s=gap,
+            first_token_s=first, last_token_s=None if first is None else first + 1.5,
+            finished_s=None if first is None else first + 1.5, longest_gap_s=gap,
         )
 
     out = svr.summarize_sim([rec(0, 0.01), rec(1, 2.5), rec(2, None, first=None)])
     assert (out["frozen_streams"], out["longest_gap_max_s"]) == (1, 2.5)
+    # good_unfrozen as serve_bench counts it: good, and an interactive stream that never froze
+    assert (out["good"], out["good_unfrozen"]) == (2, 1)
+    frozen_batch = attrs.evolve(rec(3, 2.5), service_class="batch")
+    assert svr.summarize_sim([rec(1, 2.5), frozen_batch])["good_unfrozen"] == 1
     raw = [{"outcome": "late", "itl": [0.01, 4.0]}, {"outcome": "good", "itl": [0.2]},
            {"outcome": "rejected", "itl": []}, {"outcome": "failed", "itl": [9.0]}]
     assert svr._freezes_of(raw) == {
