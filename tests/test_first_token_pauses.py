@@ -1,4 +1,5 @@
-"""Calibrated's pauses for first tokens, where a pause is cheap: a burst larger than the cache
+"""Calibrated's pauses for first tokens (off by default, turned on here with the share
+:data:`FIRST_TOKEN_PAUSE_SHARE`), where a pause is cheap: a burst larger than the cache
 gets every first token in time (streams that have had theirs give way once, requeued behind
 the callers then queued), and the rules around it (no pause before a victim's first token, none
 for a stream about to finish, a stale release rate not taken for blocks coming back, the
@@ -18,6 +19,7 @@ from kvbudget.core.ledger import State
 from kvbudget.core.model import Capacity, RequestSpec
 from kvbudget.core.policy import CalibratedPolicy
 from kvbudget.core.policy.base import Blocked
+from kvbudget.core.policy.calibrated import FIRST_TOKEN_PAUSE_SHARE
 from kvbudget.core.scheduler import Scheduler
 
 BLOCK = 32
@@ -111,6 +113,11 @@ class Engine:
                 self.apply(s.tick(self.now))
 
 
+def pausing() -> CalibratedPolicy:
+    """The calibrated policy with its first-token pauses on (they are off by default)."""
+    return CalibratedPolicy(first_token_pause_share=FIRST_TOKEN_PAUSE_SHARE)
+
+
 def burst(policy: CalibratedPolicy, n: int = 30) -> Engine:
     s = measured(policy)
     engine = Engine(s)
@@ -123,7 +130,7 @@ def burst(policy: CalibratedPolicy, n: int = 30) -> Engine:
 def test_a_burst_larger_than_the_cache_gets_every_first_token_in_time() -> None:
     # 30 callers of 512 + 300 tokens (26 blocks each at the end) on 256 blocks, at once: the
     # cache holds 14 prompts, and the first of them finish only after ~1.5 s
-    e = burst(CalibratedPolicy())
+    e = burst(pausing())
     assert not e.rejected
     late = {r: t for r, t in e.first_token.items() if t > 2.0}
     assert len(e.first_token) == 30 and not late
@@ -139,15 +146,15 @@ def test_a_burst_larger_than_the_cache_gets_every_first_token_in_time() -> None:
     assert e.s.snapshot().totals.completed == 30
 
 
-def test_without_first_token_pauses_the_same_burst_turns_callers_away() -> None:
-    e = burst(CalibratedPolicy(first_token_pause_share=None))
+def test_by_default_no_stream_is_paused_and_the_same_burst_turns_callers_away() -> None:
+    e = burst(CalibratedPolicy())
     in_time = sum(1 for t in e.first_token.values() if t <= 2.0)
     assert e.rejected and in_time < 30
     assert not [v for v in e.gave_way if v[1].startswith("admit:")]
 
 
 def test_a_stream_gives_way_only_for_a_fresh_due_caller_and_not_when_about_to_finish() -> None:
-    policy = CalibratedPolicy()
+    policy = pausing()
     s = measured(policy, blocks=64)
     s.arrive("old", spec(prompt=512, max_tokens=300), 0.0)
     old = s.requests["old"]
@@ -174,7 +181,7 @@ def test_a_stream_gives_way_only_for_a_fresh_due_caller_and_not_when_about_to_fi
 def test_a_stale_release_rate_does_not_hold_the_pauses_back() -> None:
     # a previous wave left a high release rate behind; the streams running now finish only
     # after ~1.5 s: whether blocks come back in time for a due first token is judged from them
-    s = measured(CalibratedPolicy())
+    s = measured(pausing())
     s.forecast.note_release(5000, 0.0)
     assert s.forecast.release_rate(0.0) > 1000.0
     e = Engine(s)
@@ -186,7 +193,7 @@ def test_a_stale_release_rate_does_not_hold_the_pauses_back() -> None:
 
 
 def test_growth_asked_ahead_does_not_pause_a_stream_still_awaiting_its_first_token() -> None:
-    policy = CalibratedPolicy()
+    policy = pausing()
     s = measured(policy, blocks=36)  # two 512-token prompts (16 blocks each) and 4 more
     s.arrive("a", spec(), 0.0)
     s.arrive("b", spec(), 0.0)
@@ -256,7 +263,7 @@ def test_callers_a_round_of_pauses_was_made_for_are_not_turned_away_while_it_con
     stop is confirmed 1 s after it was asked, on the 30-caller burst: one round pauses 6 streams
     for 7 due callers, whose bounds pass before the pauses are confirmed (turned away then, all
     7 were lost; now they get their first tokens, late)."""
-    s = measured(CalibratedPolicy())
+    s = measured(pausing())
     e = Engine(s, confirm_delay=1.0)
     for i in range(30):
         e.apply(s.arrive(f"r{i}", spec(), 0.0))
@@ -277,7 +284,7 @@ def test_a_due_caller_that_fits_the_headroom_is_not_held_back_by_a_stale_release
     forecast once the caller's first token is due. Before, no stream was paused for it either
     (it fits the headroom) and it waited to the end of its bound, admitted 1.98 s after it
     arrived."""
-    s = measured(CalibratedPolicy())
+    s = measured(pausing())
     for i in range(12):  # twelve long streams fill the cache but for the headroom
         s.arrive(f"x{i}", spec(prompt=512, max_tokens=1000), 0.0)
     t = 0.0
@@ -306,7 +313,7 @@ def test_the_stream_that_gives_way_is_the_one_a_pause_costs_least() -> None:
     # one pause breaks the pace of a 40-token answer (1 gap in 39 over the floor), not a
     # 1,000-token one's; paused once already, "long" counts as 500 and still goes first; only
     # once it has been paused so often that its tokens per pause fall below 40 is it spared.
-    policy = CalibratedPolicy()
+    policy = pausing()
     s = short_and_long(policy, {"a": "long", "long": "long", "short": "short"})
     a, long_, short = (s.requests[r] for r in ("a", "long", "short"))
     assert a.seq < long_.seq < short.seq and policy.cheap_to_pause(a)
@@ -351,7 +358,7 @@ def test_growth_asked_ahead_waits_for_blocks_due_back_before_its_boundary() -> N
     # confirmed, or a stream expected to end (and be confirmed, two steps), before "a" reaches
     # its boundary.
     # At its boundary, or too near it for a release to come, "a" has "b" give way after all.
-    policy = CalibratedPolicy()
+    policy = pausing()
     s = short_and_long(policy, {"a": "long", "b": "long"})
     a = s.requests["a"]
     step = s.step_seconds()
@@ -390,7 +397,7 @@ def test_growth_of_a_less_important_stream_never_pauses_a_more_important_one() -
     # after it as well, that one does, however much longer the interactive one is expected to
     # run. Among equals nothing changes: an interactive asker still has an interactive stream
     # admitted after it give way.
-    policy = CalibratedPolicy()
+    policy = pausing()
     s = short_and_long(policy, {})
     batch_long = RequestSpec(
         prompt_tokens=256, max_tokens=1500, model_max_len=2048, task="long",
@@ -431,7 +438,7 @@ def test_a_wave_pauses_for_the_callers_behind_a_head_the_drain_would_serve() -> 
     # soon enough for the head of the queue, but the callers behind it wait a turnover of the
     # cache each 14 of them. Judged for the head alone (before the round was judged whole),
     # the pauses began only as the head's slack ran out: 44 first tokens late, p50 1.69 s
-    s = measured(CalibratedPolicy())
+    s = measured(pausing())
     rnd = random.Random(0)
     e = Engine(s)
     for i in range(120):
@@ -452,7 +459,7 @@ def test_a_caller_behind_the_head_begins_the_pauses_only_while_they_can_still_se
     # It begins the pauses now only where waiting for the head's own moment would leave it
     # too few pause cycles (more than half its slack) while its whole slack still holds
     # them; with more slack it waits, with less it is past help and nothing is paused for it.
-    s = measured(CalibratedPolicy(), blocks=64)
+    s = measured(pausing(), blocks=64)
     for rid in ("a", "b", "c"):
         s.arrive(rid, spec(), 0.0)
         s.charge(rid, 1, 0.01)

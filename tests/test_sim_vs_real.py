@@ -14,6 +14,7 @@ import attrs
 import pytest
 
 from _bench_loader import load_benchmark
+from kvbudget.core.policy.calibrated import FIRST_TOKEN_PAUSE_SHARE as PAUSING
 from kvbudget.sim.report import RequestRecord
 
 sb = load_benchmark("serve_bench")
@@ -885,10 +886,11 @@ def test_the_models_context_refuses_or_cuts_requests_as_the_servers_do() -> None
 def test_the_simulated_example_has_measured_the_prefill_before_its_first_caller() -> None:
     """The example's BudgetedEngine prefills PREFILL_PROBES prompts before any caller, so its
     calibrated policy may pause streams from the first request on; the simulated example's
-    cost model starts from the same observations. Held out (sb23b): 160 callers of the
-    shared-prefix workload all at once, whose cached prefix leaves too few prefill steps to
-    measure in the burst: the real example paused streams and served all 160 in time; the
-    simulated one without the probes paused none and turned 102 away at their deadline."""
+    cost model starts from the same observations. Held out (sb23b, with the pauses on, as
+    they were by default then): 160 callers of the shared-prefix workload all at once, whose
+    cached prefix leaves too few prefill steps to measure in the burst: the real example
+    paused streams and served all 160 in time; the simulated one without the probes paused
+    none and turned 102 away at their deadline."""
     from kvbudget.engines.vllm.adapter import PREFILL_PROBES, prefill_probe_lengths
     from kvbudget.sim.profile import EngineProfile
 
@@ -905,6 +907,7 @@ def test_the_simulated_example_has_measured_the_prefill_before_its_first_caller(
     out = svr.simulate_workloads(
         ["shared-prefix"], profile=prof, bench_args=["--request-rate=inf"],
         servers=("kvbudget",),
+        policy=svr.example_policy("calibrated", [f"--first-token-pause-share={PAUSING}"]),
     )["shared-prefix"]["kvbudget"]
     assert out["good"] == 160 and out["rejected"] == 0 and out["frozen_streams"] > 0
 
@@ -915,16 +918,20 @@ def test_each_simulated_server_keeps_its_forecast_from_one_workload_to_the_next(
     (sb23c, sb23e): 160 overload callers all at once right after the moderate burst; the
     real example turned 29-46 away at arrival ("deadline", Retry-After about 8 s) on the rate
     the moderate burst had shown, where the simulated one, starting the workload with a fresh
-    scheduler, had no rate, forecast the placeholder wait and turned none away."""
+    scheduler, had no rate, forecast the placeholder wait and turned none away. (Those runs
+    had the first-token pauses on, as they were by default then: a caller they could serve is
+    not turned away on a forecast with no evidence.)"""
     from kvbudget.sim.profile import EngineProfile
 
     prof = EngineProfile.load(svr.DEFAULT_PROFILE)
+    pausing = svr.example_policy("calibrated", [f"--first-token-pause-share={PAUSING}"])
     after = svr.simulate_workloads(
         ["moderate", "overload"], profile=prof, bench_args=["--request-rate=inf"],
-        servers=("kvbudget",),
+        servers=("kvbudget",), policy=pausing,
     )["overload"]["kvbudget"]
     alone = svr.simulate_workloads(
         ["overload"], profile=prof, bench_args=["--request-rate=inf"], servers=("kvbudget",),
+        policy=pausing,
     )["overload"]["kvbudget"]
     assert alone["rejected"] == 0
     assert after["rejections_by_reason"].get("deadline", 0) >= 20

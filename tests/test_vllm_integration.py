@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 import vllm_support
+from kvbudget.core.policy.calibrated import FIRST_TOKEN_PAUSE_SHARE
 
 pytestmark = pytest.mark.vllm
 
@@ -477,11 +478,19 @@ def test_greedy_text_and_tokens_survive_pauses_and_preemptions(env: _Env) -> Non
     assert engine_preempted == 0
 
 
-def test_greedy_text_survives_checkpoints_of_a_measured_engine(env: _Env) -> None:
+@pytest.mark.parametrize("pause_share", [None, FIRST_TOKEN_PAUSE_SHARE], ids=["default", "pausing"])
+def test_greedy_text_survives_checkpoints_of_a_measured_engine(
+    env: _Env, pause_share: float | None
+) -> None:
     """Measured at start-up (the probes), the calibrated policy grants as vLLM does and
-    checkpoints the newest stream when the cache runs out, and pauses streams for due first
-    tokens: every request still gets exactly the bare engine's greedy tokens and text."""
-    snap, engine_preempted, _, observed = _greedy_against_bare(env, 3, "m")
+    checkpoints the newest stream when the cache runs out, and with its first-token pauses on
+    (off by default) pauses streams for due first tokens too: every request still gets exactly
+    the bare engine's greedy tokens and text."""
+    from kvbudget.core.policy import CalibratedPolicy
+
+    snap, engine_preempted, _, observed = _greedy_against_bare(
+        env, 3, f"m{pause_share}", policy=CalibratedPolicy(first_token_pause_share=pause_share)
+    )
     assert observed >= 8
     assert snap.preemptions > 0, "the 63-block cache holds 6 of the 10: someone gave way"
     assert engine_preempted == 0

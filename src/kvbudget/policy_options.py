@@ -40,9 +40,9 @@ def add_first_token_pause_option(parser: Any, flag: str = "--first-token-pause-s
     parser.add_argument(
         flag, type=share_or_off, default=POLICY_DEFAULT, metavar="S|off|default",
         help="calibrated policy: pause running streams for a fresh interactive caller once its "
-             "queue slack falls to this share of its first-token objective; off: never (for a "
-             "per-token latency SLO, where a stall costs more than a late first token). "
-             f"Default: the policy's ({FIRST_TOKEN_PAUSE_SHARE})",
+             "queue slack falls to this share of its first-token objective (where a late first "
+             "token costs more than a stall of seconds in a stream already answering); off: "
+             f"never. Default: the policy's (off; {FIRST_TOKEN_PAUSE_SHARE} to turn them on)",
     )
 
 

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 #: the objective a pause's re-prefill is weighed against for a class with no first-token one
 _REFERENCE_S = 2.0
-#: the default ``first_token_pause_share`` (:meth:`CalibratedPolicy.first_token_pause_at`)
+#: the ``first_token_pause_share`` to turn the pauses on with
+#: (:meth:`CalibratedPolicy.first_token_pause_at`); the policy's default is off (None)
 FIRST_TOKEN_PAUSE_SHARE = 0.75
 
 
@@ -59,7 +60,11 @@ class CalibratedPolicy(BasePolicy):
       prefills first come first served, so a batch prompt admitted ahead of them delays their
       first tokens; waiting in kvbudget's queue, which serves them first, it does not. With
       nothing queued for prefill it is admitted (None: batch never waits for the prefill
-      queue).
+      queue);
+    * running streams are not paused for a fresh caller's first token unless
+      ``first_token_pause_share`` is set (:meth:`first_token_pause_at`): by default a wave larger
+      than the cache is answered with bounded admission and an early "overloaded", and the
+      streams admitted keep their pace.
     """
 
     name: ClassVar[str] = "calibrated"
@@ -78,7 +83,7 @@ class CalibratedPolicy(BasePolicy):
         batch_prefill_share: float | None = 0.5,
         recompute_share: float | None = 0.1,
         min_prefill_observations: int = 8,
-        first_token_pause_share: float | None = FIRST_TOKEN_PAUSE_SHARE,
+        first_token_pause_share: float | None = None,
     ) -> None:
         self.headroom_min = check_float("headroom_min", headroom_min, maximum=1.0)
         self.headroom_max = check_float(
@@ -218,9 +223,13 @@ class CalibratedPolicy(BasePolicy):
         stall of a stream well inside its pace costs it little and an "overloaded" costs the
         caller everything; each stream gives way at most once (:meth:`gives_way`) and is
         requeued behind the callers queued then, so a burst is spread over the cache's
-        turnovers rather than thrashed. The default (0.75) pauses before the last responsible
-        moment: the objective is met where the caller reads the token, past a network and a
-        client that take their share of it."""
+        turnovers rather than thrashed. Off by default (None): a paused stream waits behind
+        those callers, and under sustained overload that is a freeze of seconds in an answer
+        already streaming; with the pauses off the servers over the real engine froze no stream
+        and still served more callers in time than vLLM's own server under overload
+        (``docs/policies.md``). Turned on, :data:`FIRST_TOKEN_PAUSE_SHARE` (0.75) pauses before
+        the last responsible moment: the objective is met where the caller reads the token,
+        past a network and a client that take their share of it."""
         share = self.first_token_pause_share
         objective = req.cls.ttft_slo_s
         if share is None or objective is None or req.generated or not self.cheap_to_pause(req):
