@@ -193,7 +193,7 @@ def test_a_stale_release_rate_does_not_hold_the_pauses_back() -> None:
 
 
 def test_growth_asked_ahead_does_not_pause_a_stream_still_awaiting_its_first_token() -> None:
-    policy = pausing()
+    policy = CalibratedPolicy()
     s = measured(policy, blocks=36)  # two 512-token prompts (16 blocks each) and 4 more
     s.arrive("a", spec(), 0.0)
     s.arrive("b", spec(), 0.0)
@@ -313,7 +313,7 @@ def test_the_stream_that_gives_way_is_the_one_a_pause_costs_least() -> None:
     # one pause breaks the pace of a 40-token answer (1 gap in 39 over the floor), not a
     # 1,000-token one's; paused once already, "long" counts as 500 and still goes first; only
     # once it has been paused so often that its tokens per pause fall below 40 is it spared.
-    policy = pausing()
+    policy = CalibratedPolicy()
     s = short_and_long(policy, {"a": "long", "long": "long", "short": "short"})
     a, long_, short = (s.requests[r] for r in ("a", "long", "short"))
     assert a.seq < long_.seq < short.seq and policy.cheap_to_pause(a)
@@ -358,7 +358,7 @@ def test_growth_asked_ahead_waits_for_blocks_due_back_before_its_boundary() -> N
     # confirmed, or a stream expected to end (and be confirmed, two steps), before "a" reaches
     # its boundary.
     # At its boundary, or too near it for a release to come, "a" has "b" give way after all.
-    policy = pausing()
+    policy = CalibratedPolicy()
     s = short_and_long(policy, {"a": "long", "b": "long"})
     a = s.requests["a"]
     step = s.step_seconds()
@@ -397,7 +397,7 @@ def test_growth_of_a_less_important_stream_never_pauses_a_more_important_one() -
     # after it as well, that one does, however much longer the interactive one is expected to
     # run. Among equals nothing changes: an interactive asker still has an interactive stream
     # admitted after it give way.
-    policy = pausing()
+    policy = CalibratedPolicy()
     s = short_and_long(policy, {})
     batch_long = RequestSpec(
         prompt_tokens=256, max_tokens=1500, model_max_len=2048, task="long",
