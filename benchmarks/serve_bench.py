@@ -1915,6 +1915,16 @@ def records_json(run: Run) -> list[dict[str, Any]]:
 # -- main ---------------------------------------------------------------------------------------
 
 
+def check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--kv-blocks`` and ``--max-num-seqs`` (``args.kv_blocks``, ``args.max_num_seqs``): an
+    engine every server can run (this script's and ``sim_vs_real``'s), else ``p.error``."""
+    if args.kv_blocks < MIN_KV_BLOCKS:
+        p.error(f"--kv-blocks must be >= {MIN_KV_BLOCKS} (a cache that cannot hold "
+                f"one {MAX_MODEL_LEN}-token sequence never runs a request of the whole context)")
+    if args.max_num_seqs < 1:
+        p.error("--max-num-seqs must be >= 1")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
@@ -1971,11 +1981,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--num-prompts-scale must be > 0")
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
-    if args.kv_blocks < MIN_KV_BLOCKS:
-        p.error(f"--kv-blocks must be >= {MIN_KV_BLOCKS} (a cache that cannot hold "
-                f"one {MAX_MODEL_LEN}-token sequence never runs a request of the whole context)")
-    if args.max_num_seqs < 1:
-        p.error("--max-num-seqs must be >= 1")
+    check_engine_args(p, args)
     if not 0 <= args.server_nice <= 19:
         p.error("--server-nice must be in [0, 19]")
     try:

@@ -177,9 +177,12 @@ def test_every_server_runs_the_engine_asked_for() -> None:
     assert (settings["kv_blocks"], settings["max_num_seqs"]) == (97, 12)
     assert sb.MIN_KV_BLOCKS == 65  # 2,048 tokens in blocks of 32, and vLLM's null block
     sb.parse_args(["--kv-blocks", "65"])
+    svr = load_benchmark("sim_vs_real")  # (the same engine check)
     for bad in (["--kv-blocks", "64"], ["--max-num-seqs", "0"]):
         with pytest.raises(SystemExit):
             sb.parse_args(bad)
+        with pytest.raises(SystemExit):
+            svr.parse_args(["--sim-only", *bad])
 
 
 def test_rotated_repeats_give_every_server_every_place_in_turn() -> None:
