@@ -667,9 +667,8 @@ def summarize_sim(
     client reads the streams; ``limits``: the requests of the plan the model's context
     refused or cut, :func:`context_limits`)."""
     limits = limits or ContextLimits()
-    outcomes = collections.Counter(
-        classify_sim(r, client, limits.cut.get(r.request_id)) for r in records
-    )
+    classified = [(r, classify_sim(r, client, limits.cut.get(r.request_id))) for r in records]
+    outcomes = collections.Counter(outcome for _, outcome in classified)
     outcomes["failed"] += limits.refused
     out: dict[str, Any] = {"sent": len(records) + limits.refused}
     for name in COUNTS:
@@ -679,10 +678,7 @@ def summarize_sim(
     duration = (max(ends) - min(starts)) if ends and starts else 0.0
     out["duration_s"] = round(duration, 2)
     out["goodput"] = round(out["good"] / duration, 3) if duration > 0 else None
-    complete = [
-        r for r in records
-        if classify_sim(r, client, limits.cut.get(r.request_id)) in ("good", "late")
-    ]
+    complete = [r for r, outcome in classified if outcome in ("good", "late")]
     done = [client.timing(r) for r in complete]
     ttfts = sorted(t for t, _ in done if t is not None)
     tpots = sorted(t for _, t in done if t is not None)
@@ -696,8 +692,8 @@ def summarize_sim(
     ))
     # (serve_bench's good_unfrozen: good, and an interactive stream that never froze)
     out["good_unfrozen"] = sum(
-        1 for r in records
-        if classify_sim(r, client, limits.cut.get(r.request_id)) == "good"
+        1 for r, outcome in classified
+        if outcome == "good"
         and (r.service_class == "batch" or (r.longest_gap_s or 0.0) <= sb.FREEZE_GAP_S)
     )
     return out
@@ -1788,10 +1784,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--stall-speed must be in [0, 1]")
     if args.intake_ms is not None and not 0.0 <= args.intake_ms < math.inf:
         p.error("--intake-ms must be a finite number >= 0")
-    if args.kv_blocks < sb.MIN_KV_BLOCKS:
-        p.error(f"--kv-blocks must be >= {sb.MIN_KV_BLOCKS}")
-    if args.max_num_seqs < 1:
-        p.error("--max-num-seqs must be >= 1")
+    sb.check_engine_args(p, args)
     return args
 
 
