@@ -43,7 +43,9 @@ class CalibratedPolicy(BasePolicy):
       P(extend) x the growth still expected: the next increment, or with bounded steps the way to
       the conditional quantile; for a protected stream P(extend) is conditioned on the length it
       has already outlived), clamped to ``[headroom_min, headroom_max]`` of capacity;
-      ``protected_fraction`` of capacity is reserved for protected classes while one is live;
+      ``protected_fraction`` of capacity is reserved for protected classes while one is live.
+      A grant made the vLLM way (:meth:`cheap_to_pause`) adds no demand: it grows by pausing a
+      newer stream, as vLLM's do, and blocks kept free for it would only shrink the batch;
     * a protected head that does not fit the admission budget may take the headroom beyond its
       protected part (the scheduler's rule: at once while no extension waits) unless a protected
       stream's grant has outrun everything its distribution has seen (:meth:`admit`): then the
@@ -440,8 +442,9 @@ class CalibratedPolicy(BasePolicy):
         if req.boundary >= req.hard_max:
             demand = 0.0
         elif self.cheap_to_pause(req):
-            # granted the vLLM way: it will want its next extension soon
-            demand = float(blocks_for(self._cheap_step(req), self.block_size))
+            # granted the vLLM way: it grows by pausing a newer stream, as vLLM's do, and
+            # claims none of the pool beyond its floor
+            demand = 0.0
         else:
             target = self._target(req)
             step = self._extension(req, target)
