@@ -1105,7 +1105,7 @@ def test_a_cold_forecast_turns_away_at_once_callers_forecast_past_their_bound() 
     inside = s.arrive("next", spec(prompt=4, max_tokens=28, deadline=wait * 1.2 + service), 3.0)
     assert not of(inside, ev.Reject) and s.requests["next"].state is State.QUEUED
     s = cold()
-    past = s.arrive("next", spec(prompt=4, max_tokens=28, deadline=wait / 1.5 + service), 3.0)
+    past = s.arrive("next", spec(prompt=4, max_tokens=28, deadline=wait / 2 + service), 3.0)
     assert of(past, ev.Reject, "next")[0].reason == "deadline"
 
 

@@ -153,6 +153,50 @@ def test_by_default_no_stream_is_paused_and_the_same_burst_turns_callers_away() 
     assert not [v for v in e.gave_way if v[1].startswith("admit:")]
 
 
+class TimedEngine(Engine):
+    """:class:`Engine` that also records when each caller was turned away, and why."""
+
+    def __init__(self, s: Scheduler) -> None:
+        super().__init__(s)
+        self.turned_away: dict[str, tuple[float, str]] = {}
+
+    def apply(self, actions: Iterable[ev.Action]) -> None:
+        actions = list(actions)
+        for a in actions:
+            if isinstance(a, ev.Reject):
+                self.turned_away[a.request_id] = (self.now, a.reason)
+        super().apply(actions)
+
+
+def cold_burst(n: int) -> TimedEngine:
+    s = measured(CalibratedPolicy())
+    e = TimedEngine(s)
+    for i in range(n):
+        e.apply(s.arrive(f"r{i}", spec(), 0.0))
+    e.run()
+    return e
+
+
+def test_a_cold_servers_burst_is_told_overloaded_once_its_releases_are_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """100 callers at once on a scheduler that has seen no release: each is queued on a
+    placeholder forecast (no one is turned away at arrival), and once releases are measured
+    the turn-away at arrival judges them again, telling the callers it would not have queued
+    "overloaded" then, not at their 2 s bound; no caller it keeps loses its first token in
+    time for it (the same callers are served in time as without the second judgement)."""
+    e = cold_burst(100)
+    early = {r: t for r, (t, why) in e.turned_away.items() if why == "deadline"}
+    assert early, "callers judged again once releases were measured"
+    assert all(0.0 < t < 1.0 for t in early.values())
+    in_time = {r for r, t in e.first_token.items() if t <= 2.0}
+    monkeypatch.setattr(Scheduler, "_judge_placeholder_waits", lambda *_: None)
+    without = cold_burst(100)
+    assert not [r for r, (_, why) in without.turned_away.items() if why == "deadline"]
+    assert in_time == {r for r, t in without.first_token.items() if t <= 2.0}
+    assert set(e.turned_away) == set(without.turned_away)
+
+
 def test_a_stream_gives_way_only_for_a_fresh_due_caller_and_not_when_about_to_finish() -> None:
     policy = pausing()
     s = measured(policy, blocks=64)
@@ -216,7 +260,9 @@ def test_arrival_is_not_turned_away_where_pauses_could_serve_it(
         s.arrive(rid, spec(prompt=512, max_tokens=1000), 0.0)
     assert sum(r.state is State.ADMITTED for r in s.live.values()) == 3
     # the wait forecast says the newcomer would wait past its bound (a slow release rate)
-    monkeypatch.setattr(Forecast, "turns_away", lambda self, req, wait, bound, pauses=False: True)
+    monkeypatch.setattr(
+        Forecast, "turns_away", lambda self, req, wait, bound, pauses=False, ahead=None: True
+    )
     monkeypatch.setattr(Forecast, "wait_estimate", lambda self, req: (5.0, True))
     actions = s.arrive("n", spec(prompt=512, max_tokens=300), 0.02)
     rejected = [a for a in actions if isinstance(a, ev.Reject)]
@@ -247,9 +293,9 @@ def test_a_cold_wait_forecast_keeps_its_margin_only_where_pauses_may_serve_the_c
     real = Forecast.turns_away
 
     def spy(self: Forecast, req: object, wait: float, bound: float | None,
-            pauses: bool = False) -> bool:
+            pauses: bool = False, ahead: tuple[int, int] | None = None) -> bool:
         seen.append(pauses)
-        return bool(real(self, req, wait, bound, pauses))  # type: ignore[arg-type]
+        return bool(real(self, req, wait, bound, pauses, ahead))  # type: ignore[arg-type]
 
     monkeypatch.setattr(Forecast, "turns_away", spy)
     s.arrive("n", spec(prompt=512, max_tokens=300), 0.02)

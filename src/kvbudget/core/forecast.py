@@ -57,6 +57,10 @@ WAIT_PRESSURE_BANDS = 16
 WAIT_OUTCOME_HORIZON_S = 60.0
 
 
+#: the blocks and the callers queued ahead of a queued caller (:meth:`Forecast.deficit`)
+Ahead = tuple[int, int]
+
+
 def wait_pressure_band(pressure: float) -> int:
     """The band (0 .. ``WAIT_PRESSURE_BANDS`` - 1) of a forecast wait ``pressure`` times what
     the caller may wait."""
@@ -84,8 +88,9 @@ def _turned_over(
 class DecayingRate:
     """Amounts added over time, exponentially forgotten over ``window_s``, read as a rate.
 
-    ``warm_up``: until one window has passed since the first amount, divide by the time since
-    then rather than by the window (a rate from the first few events is not diluted).
+    ``warm_up``: until one window has passed since the first amount (or since :meth:`begin`,
+    if that came first), divide by the time since then rather than by the window (a rate from
+    the first few events is not diluted).
     """
 
     __slots__ = ("_at", "_first_at", "_sum", "warm_up", "window_s")
@@ -96,6 +101,13 @@ class DecayingRate:
         self._sum = 0.0
         self._at: float | None = None
         self._first_at: float | None = None
+
+    def begin(self, now: float) -> None:
+        """What it counts could happen from ``now`` on: the warm-up divides by the time since
+        then (where it counts blocks released, a first release a moment after the engine took
+        its first blocks is then not a rate of thousands a second). No effect once begun."""
+        if self._first_at is None:
+            self._first_at = now
 
     def add(self, amount: float, now: float) -> None:
         if self._first_at is None:
@@ -248,9 +260,14 @@ class Forecast:
         if idle:
             if self._idle_since is None:
                 self._idle_since = now
-        elif self._idle_since is not None:
+            return
+        if self._idle_since is not None:
             self._idle_total += max(0.0, now - self._idle_since)
             self._idle_since = None
+        # (the release and end rates' warm-up runs from when the engine first held blocks)
+        busy = self._busy_clock(now)
+        self._releases.begin(busy)
+        self._ends.begin(busy)
 
     def _busy_clock(self, now: float) -> float:
         """Seconds during which the engine held blocks, up to ``now`` (plus a constant)."""
@@ -403,12 +420,14 @@ class Forecast:
             and now + self.first_token_delay(req) > req.arrival + ttft
         )
 
-    def deficit(self, req: Request) -> int:
+    def deficit(self, req: Request, ahead: Ahead | None = None) -> int:
         """Blocks that the queued ``req`` and everything queued ahead of it want beyond what
-        is free for admission now."""
-        return self._queues.blocks_ahead(req.cls) + req.want_blocks - self._s.ledger.admission_free
+        is free for admission now (``ahead``: the blocks and callers queued ahead of a caller
+        already queued; else everything queued in its class and before it, as for a newcomer)."""
+        blocks = self._queues.blocks_ahead(req.cls) if ahead is None else ahead[0]
+        return blocks + req.want_blocks - self._s.ledger.admission_free
 
-    def slot_deficit(self, req: Request) -> int:
+    def slot_deficit(self, req: Request, ahead: Ahead | None = None) -> int:
         """Sequence slots that ``req`` and everything queued ahead of it want, where the batch
         cap (``SchedulerConfig.max_active``) is what holds the queue back: the batch is full.
         0 below the cap, or without one: the queue then waits for blocks, and the stream whose
@@ -418,20 +437,21 @@ class Forecast:
         cap = self._config.max_active
         if cap is None or self._s.active < cap:
             return 0
-        return self._queues.count_ahead(req.cls) + 1 - (cap - self._s.active)
+        count = self._queues.count_ahead(req.cls) if ahead is None else ahead[1]
+        return count + 1 - (cap - self._s.active)
 
     def estimated_wait(self, req: Request) -> float:
         """Seconds until ``req`` could be admitted, from the queue ahead and the release rate
         (and, where the batch cap holds it back, the rate streams stop)."""
         return self.wait_estimate(req)[0]
 
-    def wait_estimate(self, req: Request) -> tuple[float, bool]:
+    def wait_estimate(self, req: Request, ahead: Ahead | None = None) -> tuple[float, bool]:
         """:meth:`estimated_wait`, and whether it was measured: False where no release was seen
         yet (the wait is then ``min_retry_after_s``, a placeholder, not a forecast to learn the
-        error of)."""
+        error of). ``ahead``: as :meth:`deficit`."""
         s = self._s
-        deficit = self.deficit(req)
-        slots = self.slot_deficit(req)
+        deficit = self.deficit(req, ahead)
+        slots = self.slot_deficit(req, ahead)
         if deficit <= 0 and slots <= 0:
             return 0.0, True
         unmeasured = (0.0 if s.active + s.releasing == 0 else self._config.min_retry_after_s), False
@@ -549,19 +569,24 @@ class Forecast:
         return share < q
 
     def turns_away(
-        self, req: Request, wait: float, bound: float | None, pauses: bool = False
+        self,
+        req: Request,
+        wait: float,
+        bound: float | None,
+        pauses: bool = False,
+        ahead: Ahead | None = None,
     ) -> bool:
         """Is a caller forecast to wait ``wait`` seconds, who may wait ``bound``, turned away at
         arrival? Only when it is unlikely to be admitted in time (:meth:`unlikely_in_time`)
         and the drain of what the engine holds now would not admit it within the bound either
-        (:meth:`drain_wait`)."""
+        (:meth:`drain_wait`). ``ahead``: as :meth:`deficit`."""
         if not (wait > 0.0 and bound is not None and self.unlikely_in_time(wait, bound, pauses)):
             return False
         service = self.predicted_service(req, 0.5)
-        drain = self.drain_wait(max(1, self.deficit(req)), service)
+        drain = self.drain_wait(max(1, self.deficit(req, ahead)), service)
         if drain is None or drain > bound:
             return True
-        slots = self.slot_deficit(req)
+        slots = self.slot_deficit(req, ahead)
         if slots <= 0:
             return False
         ends = self.slot_drain_wait(slots, service)
@@ -596,6 +621,7 @@ __all__ = [
     "WAIT_OUTCOME_HORIZON_S",
     "WAIT_PRESSURE_BANDS",
     "WAIT_PRESSURE_FROM",
+    "Ahead",
     "DecayingRate",
     "Forecast",
     "ForecastMemory",

@@ -51,7 +51,7 @@ from kvbudget.core import events as ev
 from kvbudget.core import lifecycle
 from kvbudget.core.config import SchedulerConfig
 from kvbudget.core.cost import CostModel
-from kvbudget.core.forecast import Forecast
+from kvbudget.core.forecast import Ahead, Forecast
 from kvbudget.core.ledger import Ledger
 from kvbudget.core.lengths import LengthModel, UnderestimationReport
 from kvbudget.core.lifecycle import (
@@ -142,6 +142,9 @@ class Scheduler:
         self._queues = self.queues.by_class  # (the old name, which tests read)
         self.forecast = Forecast(self, self.queues, self.config)
         self._waiting_ext: dict[str, Request] = {}
+        #: callers queued on a placeholder wait forecast (no release seen when they came): the
+        #: turn-away at arrival judges them again once the releases are measured
+        self._placeholder_waits: list[Request] = []
         # stopped requests awaiting confirmation: they keep tick() from walking every request
         self._stopping: dict[str, Request] = {}
         #: requests holding a live grant (admitted, running or extending), in admission order
@@ -285,6 +288,31 @@ class Scheduler:
         # at once skips it (it is most of an arrival's cost), one that stays queued gets it below
         req.expiry = forecast.queue_expiry(req, service=wait > 0.0)
         bound = forecast.wait_bound(req, now)
+        if self._turned_away(req, wait, bound):
+            return [self._reject_new(req, wait, "deadline")]
+        if measured and bound is not None:
+            req.wait_forecast, req.wait_bound = wait, bound
+        self.requests[request_id] = req
+        self.queues.push(req)
+        actions = self._pump(now)
+        if not measured and req.state is State.QUEUED and self._first_token_pause_at(req) is None:
+            # (a caller streams may be paused for is served by rounds of pauses, which the
+            # release forecast does not see: judged again on it, most of a wave they serve
+            # would be turned away)
+            self._placeholder_waits.append(req)
+        if wait <= 0.0 and req.state is State.QUEUED and req.deadline_at is not None:
+            req.expiry = forecast.queue_expiry(req)
+            self.queues.note_expiry(req)
+        return actions
+
+    def _turned_away(
+        self, req: Request, wait: float, bound: float | None, ahead: Ahead | None = None
+    ) -> bool:
+        """The turn-away at arrival: is a caller forecast to wait ``wait`` seconds, who may wait
+        ``bound``, told "overloaded" rather than queued (:meth:`Forecast.turns_away`), unless
+        pauses for its first token would serve it? ``ahead``: the blocks and callers queued
+        ahead of a caller already queued (:meth:`Forecast.deficit`)."""
+        forecast = self.forecast
         # (asked of the policy only where a turn-away is possible: most arrivals wait for nothing;
         # a pause frees blocks, and the admission pass stops at the batch cap before weighing
         # one, so none serves a caller the cap holds back)
@@ -292,21 +320,11 @@ class Scheduler:
             wait > 0.0
             and bound is not None
             and self._first_token_pause_at(req) is not None
-            and forecast.slot_deficit(req) <= 0
+            and forecast.slot_deficit(req, ahead) <= 0
         )
-        if forecast.turns_away(req, wait, bound, pauses) and not (
-            pauses and self._served_by_pauses(req)
-        ):
-            return [self._reject_new(req, wait, "deadline")]
-        if measured and bound is not None:
-            req.wait_forecast, req.wait_bound = wait, bound
-        self.requests[request_id] = req
-        self.queues.push(req)
-        actions = self._pump(now)
-        if wait <= 0.0 and req.state is State.QUEUED and req.deadline_at is not None:
-            req.expiry = forecast.queue_expiry(req)
-            self.queues.note_expiry(req)
-        return actions
+        return forecast.turns_away(req, wait, bound, pauses, ahead) and not (
+            pauses and self._served_by_pauses(req, ahead)
+        )
 
     def _want_blocks(self, req: Request) -> int:
         """The blocks of ``req``'s next grant, which it may never exceed ``room`` by; its queue
@@ -748,6 +766,13 @@ class Scheduler:
                 self.queues.note_expiry(req)
             else:
                 actions.append(self._turn_away(req, "queue-timeout"))
+        if self._placeholder_waits:
+            if self.forecast.release_rate(now) > 0.0:
+                self._judge_placeholder_waits(now, actions)
+            else:  # (those admitted or gone meanwhile are no longer waiting to be judged)
+                self._placeholder_waits = [
+                    r for r in self._placeholder_waits if r.state is State.QUEUED
+                ]
         if self.front and self.queues.count() and not self.preempting:
             # a queued head's bound runs down with time alone: the admission pass decides at
             # its last responsible moment, not only at the next release
@@ -763,6 +788,36 @@ class Scheduler:
                 req.unconfirmed = True
                 req.stats.unconfirmed += 1
         return self._pass_after(now, actions)
+
+    def _judge_placeholder_waits(self, now: float, actions: list[ev.Action]) -> None:
+        """The callers queued before any release was seen had a placeholder for a wait
+        forecast, which turns no one away: once releases are measured, the turn-away at
+        arrival judges them as it would judge them arriving now, and tells those it would not
+        have queued "overloaded" then rather than at their bound."""
+        forecast = self.forecast
+        judged = {
+            r.request_id for r in self._placeholder_waits
+            if r.state is State.QUEUED and not r.paused_for
+        }
+        self._placeholder_waits = []
+        for cls in self.queues.order:
+            queue = self.queues.by_class[cls.name]
+            if not judged.intersection(r.request_id for r in queue):
+                continue
+            # each judged behind the callers of its class (and those before it) that came first
+            blocks = self.queues.blocks_ahead(cls) - queue.want_blocks
+            count = self.queues.count_ahead(cls) - queue.count
+            for req in sorted(queue, key=lambda r: r.arrival):
+                if req.request_id in judged:
+                    ahead = (blocks, count)
+                    wait, measured = forecast.wait_estimate(req, ahead)
+                    if not measured:
+                        self._placeholder_waits.append(req)
+                    elif self._turned_away(req, wait, forecast.wait_bound(req, now), ahead):
+                        actions.append(self._turn_away(req, "deadline"))
+                        continue  # (turned away, it is no longer ahead of anyone)
+                blocks += req.want_blocks
+                count += 1
 
     def reconcile(self, engine_used_blocks: int, now: float) -> list[ev.Action]:
         """Compare the engine's KV usage with the ledger; free unconfirmed stops it no longer holds.
@@ -1394,7 +1449,7 @@ class Scheduler:
         decode = self.cost.predict_decode(max(1, self.active), self.active_context)
         return max(decode, self.token_gap)
 
-    def _served_by_pauses(self, req: Request) -> bool:
+    def _served_by_pauses(self, req: Request, ahead: Ahead | None = None) -> bool:
         """Could pauses for first tokens (``gives_way``) admit the newcomer ``req``, whose first
         token may have streams paused for it (``Policy.first_token_pause_at``: the caller
         checks), by its last responsible moment, whatever the releases? The blocks wanted ahead
@@ -1403,7 +1458,7 @@ class Scheduler:
         gives_way = getattr(self.policy, "gives_way", None)
         if gives_way is None:
             return False
-        want = self.queues.blocks_ahead(req.cls) + req.want_blocks - self.ledger.admission_free
+        want = self.forecast.deficit(req, ahead)
         for r in self.live.values():
             if want <= 0:
                 break
