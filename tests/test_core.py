@@ -964,6 +964,28 @@ def _pessimistic_waits(
     return forecast
 
 
+def test_the_release_rates_warm_up_runs_from_when_the_engine_first_held_blocks() -> None:
+    """A first release 0.26 s after the engine took its first blocks reads as that many blocks
+    over 0.26 s, not over the moment since the release itself (over the real engine a fresh
+    server's first preemptions read as 2,500 blocks a second, and the second judgement of the
+    callers queued on a placeholder forecast turned none of them away)."""
+    from kvbudget.core.forecast import DecayingRate
+
+    rate = DecayingRate(10.0, warm_up=True)
+    rate.begin(0.0)
+    rate.add(65.0, 0.26)
+    assert rate.rate(0.26) == pytest.approx(65.0 / 0.26)
+    rate.begin(0.25)  # (once begun, it stays)
+    assert rate.rate(0.26) == pytest.approx(65.0 / 0.26)
+    s = Scheduler(Capacity(32, 4), policy=ReserveMaxFront())
+    s.arrive("a", spec(prompt=4, max_tokens=28), 1.0)  # the engine takes its first blocks
+    s.arrive("b", spec(prompt=4, max_tokens=28), 1.0)
+    s.charge("a", 28, 1.2)
+    s.finish("a", "stop", 1.2)
+    s.confirm_release("a", 1.26)
+    assert s.forecast.release_rate(1.26) == pytest.approx(8 / 0.26, rel=0.01)
+
+
 def _release_rate(s: Scheduler) -> None:
     for k in range(3):  # one request of 8 blocks per second
         s.arrive(f"w{k}", spec(prompt=4, max_tokens=28), float(k))
