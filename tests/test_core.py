@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbudget.core import events as ev
+from kvbudget.core.cost import CostModel, StepTimeModel
 from kvbudget.core.ledger import Request, State
 from kvbudget.core.lengths import LengthModel
 from kvbudget.core.model import Capacity, RequestSpec, ServiceClass
@@ -2056,3 +2057,73 @@ def test_below_the_batch_cap_a_queue_waiting_for_blocks_is_not_counted_in_slots(
         s2.arrive(rid, spec(prompt=4, max_tokens=60, cls="interactive"), 0.0)
     assert s2.active == 2
     assert s2.forecast.slot_deficit(s2.requests["q1"]) == 3  # q0, q1 (counted again), + 1
+
+
+# == backfilling the tenant stride ===============================================================
+
+
+def backfill_case(
+    cls: str, step: StepTimeModel, release_at: float = 0.3
+) -> tuple[Scheduler, list[ev.Action]]:
+    """Tenant b's ``big`` (4 blocks) and tenant a's ``a1`` (3) hold 7 of 8 blocks; then a's
+    ``a2`` (3 blocks) and, later, b's ``b2`` (4 blocks) queue. Both
+    tenants have had one admission and b was seen first, so the stride's head is b2. ``big``
+    ends at ``release_at``: 5 blocks free, room for either queued caller, not both. Returns
+    the scheduler and the actions of that release."""
+    s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront(), cost=CostModel(step))
+    assert of(s.arrive("big", spec(4, 12, cls, tenant="b"), 0.0), ev.Admit)
+    assert of(s.arrive("a1", spec(4, 8, cls, tenant="a"), 0.0), ev.Admit)
+    s.charge("big", 1, 0.05)
+    s.charge("a1", 1, 0.05)
+    assert not s.arrive("a2", spec(4, 8, cls, tenant="a"), 0.1)
+    assert not s.arrive("b2", spec(4, 12, cls, tenant="b"), 0.2)
+    assert s.queues.by_class[cls].head() is s.requests["b2"]
+    s.finish("big", "stop", release_at)
+    return s, list(s.confirm_release("big", release_at))
+
+
+FAST_STEPS = StepTimeModel(fixed_s=0.01, per_seq_s=0.0, per_context_token_s=0.0,
+                           prefill_per_token_s=1e-4)
+
+
+def test_an_older_caller_is_backfilled_before_the_stride_head_whose_slack_absorbs_it() -> None:
+    # a2 (3 blocks, at most 8 tokens: 0.08 s at 10 ms a step) fits, b2 may still wait 1.9 s:
+    # a2 goes first, and b2 waits for a2's blocks well within its bound
+    s, out = backfill_case("interactive", FAST_STEPS)
+    a2, b2 = s.requests["a2"], s.requests["b2"]
+    assert s.forecast.predicted_service(a2, 0.9) <= 0.5 * s.queue_slack(b2)
+    assert [a.request_id for a in of(out, ev.Admit)] == ["a2"]
+    assert b2.state is State.QUEUED
+    # a's pass paid for it: b2 is still the stride's head, and goes when a1 ends
+    assert s.queues.by_class["interactive"].head() is b2
+    s.finish("a1", "stop", 0.35)
+    assert [a.request_id for a in of(s.confirm_release("a1", 0.35), ev.Admit)] == ["b2"]
+
+
+def test_the_stride_head_goes_first_where_the_older_callers_service_would_eat_its_slack() -> None:
+    # the same queue with 0.12 s steps: a2's 8 tokens take about 1 s, more than half of the
+    # 1.3 s b2 may still wait at 0.9 s: the stride's order stands
+    slow = StepTimeModel(fixed_s=0.12, per_seq_s=0.0, per_context_token_s=0.0,
+                         prefill_per_token_s=1e-4)
+    s, out = backfill_case("interactive", slow, release_at=0.9)
+    a2, b2 = s.requests["a2"], s.requests["b2"]
+    assert s.forecast.predicted_service(a2, 0.9) > 0.5 * s.queue_slack(b2)
+    assert [a.request_id for a in of(out, ev.Admit)] == ["b2"]
+    assert a2.state is State.QUEUED
+
+
+def test_backfilling_leaves_classes_without_a_first_token_objective_in_stride_order() -> None:
+    s, out = backfill_case("batch", FAST_STEPS)
+    assert [a.request_id for a in of(out, ev.Admit)] == ["b2"]
+    assert s.requests["a2"].state is State.QUEUED
+
+
+def test_no_backfill_where_both_callers_fit() -> None:
+    # b2 with a 2-block grant (8 tokens in all): both fit the 5 free blocks, in stride order
+    s2 = Scheduler(Capacity(8, 4), policy=ReserveMaxFront(), cost=CostModel(FAST_STEPS))
+    assert of(s2.arrive("big", spec(4, 12, "interactive", tenant="b"), 0.0), ev.Admit)
+    assert of(s2.arrive("a1", spec(4, 8, "interactive", tenant="a"), 0.0), ev.Admit)
+    assert not s2.arrive("a2", spec(4, 8, "interactive", tenant="a"), 0.1)
+    assert not s2.arrive("b2", spec(4, 4, "interactive", tenant="b"), 0.2)
+    s2.finish("big", "stop", 0.3)
+    assert [a.request_id for a in of(s2.confirm_release("big", 0.3), ev.Admit)] == ["b2", "a2"]

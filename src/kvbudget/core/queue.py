@@ -5,6 +5,8 @@ Strict class priority between the queues is the scheduler's (it walks :attr:`Que
 here is the order within a class: the tenant with the smallest pass goes next, and each
 admission advances its pass by ``1 / weight``. An idle tenant does not bank credit. A request
 put back at the front (a checkpoint of a policy that requeues in front) goes before all others.
+(The scheduler may let the class's oldest caller go before the stride's head where the head's
+slack absorbs it: ``Scheduler._backfill``; its tenant's pass advances as for any admission.)
 
 Class queues and tenant stride are kvbudget's front (``BasePolicy.front``). An engine's own queue
 has neither: ``Queues(by_tenant=False)`` keeps one first-come-first-served line per class, and
@@ -74,6 +76,17 @@ class ClassQueue:
                 if best is None or tq.pass_ < best.pass_:
                     best = tq
         return best.items[0] if best is not None else None
+
+    def oldest(self) -> Request | None:
+        """The front that has waited longest among the tenants' lines (each line is first come
+        first served: it is the class's oldest caller but for one put back in front)."""
+        best: Request | None = None
+        for tq in self.tenants.values():
+            if tq.items:
+                front = tq.items[0]
+                if best is None or front.arrival < best.arrival:
+                    best = front
+        return best
 
     def pop(self, req: Request) -> None:
         tq = self.tenants[self._tenant(req)]
