@@ -1773,7 +1773,10 @@ def test_preempted_then_cancelled_keeps_its_first_confirmation_clock() -> None:
     assert s.requests["a"].unconfirmed
 
 
-def test_weighted_tenant_fairness_under_saturation() -> None:
+@pytest.mark.parametrize("cls", ["batch", "interactive"])
+def test_weighted_tenant_fairness_under_saturation(cls: str) -> None:
+    # (interactive: the backfilling of the stride lets an older caller go first only from a
+    # tenant at most one admission ahead, so the weights still hold)
     s = Scheduler(
         Capacity(4, 4),
         policy=ReserveMaxFront(),
@@ -1786,8 +1789,8 @@ def test_weighted_tenant_fairness_under_saturation() -> None:
         admitted.extend(a.request_id for a in of(actions, ev.Admit))
 
     for k in range(n):
-        record(s.arrive(f"a{k}", spec(prompt=2, max_tokens=2, tenant="a"), 0.0))
-        record(s.arrive(f"b{k}", spec(prompt=2, max_tokens=2, tenant="b"), 0.0))
+        record(s.arrive(f"a{k}", spec(prompt=2, max_tokens=2, cls=cls, tenant="a"), 0.0))
+        record(s.arrive(f"b{k}", spec(prompt=2, max_tokens=2, cls=cls, tenant="b"), 0.0))
     t = 0.0
     served = 0
     while served < 1100:
@@ -2127,3 +2130,41 @@ def test_no_backfill_where_both_callers_fit() -> None:
     assert not s2.arrive("b2", spec(4, 4, "interactive", tenant="b"), 0.2)
     s2.finish("big", "stop", 0.3)
     assert [a.request_id for a in of(s2.confirm_release("big", 0.3), ev.Admit)] == ["b2", "a2"]
+
+
+def easy_case(step: StepTimeModel) -> Scheduler:
+    """``x`` (4 blocks) runs; ``y`` (3) has ended, so releases are measured; ``h`` wants 6 blocks
+    of the 4 free and heads the queue; ``s`` behind it wants 2 (8 tokens in all)."""
+    s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront(), cost=CostModel(step))
+    assert of(s.arrive("x", spec(4, 12, "interactive"), 0.0), ev.Admit)
+    assert of(s.arrive("y", spec(4, 8, "interactive"), 0.0), ev.Admit)
+    s.charge("x", 1, 0.05)
+    s.charge("y", 1, 0.05)
+    s.finish("y", "stop", 0.1)
+    s.confirm_release("y", 0.1)
+    assert s.forecast.release_rate(0.1) > 0
+    assert not s.arrive("h", spec(4, 20, "interactive"), 0.15)
+    return s
+
+
+def test_a_caller_that_ends_before_the_heads_reservation_is_backfilled_behind_it() -> None:
+    s = easy_case(FAST_STEPS)
+    h = s.requests["h"]
+    assert h.reserved_until is not None and h.reserved_until > 0.15  # when its blocks are due
+    out = s.arrive("s", spec(4, 4, "interactive"), 0.16)
+    left = h.reserved_until - 0.16
+    assert s.forecast.predicted_service(s.requests["s"], 0.9) <= left
+    assert [a.request_id for a in of(out, ev.Admit)] == ["s"]
+    assert h.state is State.QUEUED and s.queues.by_class["interactive"].head() is h
+
+
+def test_a_caller_that_would_outlast_the_heads_reservation_waits_behind_it() -> None:
+    slow = StepTimeModel(fixed_s=0.12, per_seq_s=0.0, per_context_token_s=0.0,
+                         prefill_per_token_s=1e-4)
+    s = easy_case(slow)
+    h = s.requests["h"]
+    out = s.arrive("s", spec(4, 4, "interactive"), 0.16)
+    assert h.reserved_until is not None
+    assert s.forecast.predicted_service(s.requests["s"], 0.9) > h.reserved_until - 0.16
+    assert not of(out, ev.Admit)
+    assert s.requests["s"].state is State.QUEUED

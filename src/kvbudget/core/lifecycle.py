@@ -181,6 +181,7 @@ class Request:
         "release_started_at",
         "request_id",
         "requeue_front",
+        "reserved_until",
         "resume",
         "seq",
         "shared_at_grant",
@@ -234,6 +235,9 @@ class Request:
         self.preemptions = 0
         self.resume: Checkpoint | None = None
         self.requeue_front = False
+        #: as a queue head waiting for blocks: when the releases were forecast to admit it
+        #: (fixed when first forecast; callers backfilled behind it must be done by then)
+        self.reserved_until: float | None = None
         #: paused for another caller's first token: requeued behind the callers then queued
         self.gave_way = False
         #: streams were paused for this caller's first token (it is not turned away as late)

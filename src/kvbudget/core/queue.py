@@ -5,8 +5,9 @@ Strict class priority between the queues is the scheduler's (it walks :attr:`Que
 here is the order within a class: the tenant with the smallest pass goes next, and each
 admission advances its pass by ``1 / weight``. An idle tenant does not bank credit. A request
 put back at the front (a checkpoint of a policy that requeues in front) goes before all others.
-(The scheduler may let the class's oldest caller go before the stride's head where the head's
-slack absorbs it: ``Scheduler._backfill``; its tenant's pass advances as for any admission.)
+(The scheduler may let an older caller of a tenant at most one admission ahead go before the
+stride's head where the head's slack absorbs it: ``Scheduler._backfill``; its tenant's pass
+advances as for any admission.)
 
 Class queues and tenant stride are kvbudget's front (``BasePolicy.front``). An engine's own queue
 has neither: ``Queues(by_tenant=False)`` keeps one first-come-first-served line per class, and
@@ -77,15 +78,19 @@ class ClassQueue:
                     best = tq
         return best.items[0] if best is not None else None
 
-    def oldest(self) -> Request | None:
-        """The front that has waited longest among the tenants' lines (each line is first come
-        first served: it is the class's oldest caller but for one put back in front)."""
-        best: Request | None = None
+    def backfill_candidate(self, head: Request) -> Request:
+        """``head`` (the stride's pick), or the front queued longest of the tenants at most one
+        admission ahead of ``head``'s (a pass within one of their strides of its pass): the
+        caller that may go before ``head`` without its tenant getting more than one admission
+        beyond its share (``Scheduler._backfill`` decides whether it does)."""
+        own = self.tenants[self._tenant(head)]
+        best = head
         for tq in self.tenants.values():
-            if tq.items:
-                front = tq.items[0]
-                if best is None or front.arrival < best.arrival:
-                    best = front
+            if tq is own or not tq.items:
+                continue
+            front = tq.items[0]
+            if front.arrival < best.arrival and tq.pass_ - own.pass_ <= 1.0 / tq.weight + 1e-9:
+                best = front
         return best
 
     def pop(self, req: Request) -> None:

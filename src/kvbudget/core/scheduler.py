@@ -97,10 +97,12 @@ _GAP_ALPHA = 0.01
 _GAP_MAX = 0.25
 #: weight of each new confirmation in Scheduler.confirm_seconds (about the last 20 stops)
 _CONFIRM_ALPHA = 0.05
-#: Scheduler._backfill: the oldest caller goes before the tenant stride's head where its service
+#: Scheduler._backfill: an older caller goes before the tenant stride's head where its service
 #: with its length at this quantile takes at most this share of the time the head may still wait
 BACKFILL_LENGTH_QUANTILE = 0.9
 BACKFILL_SLACK_SHARE = 0.5
+#: Scheduler._backfill_behind: how many callers behind a head waiting for blocks are looked at
+BACKFILL_LOOKAHEAD = 8
 
 
 class Scheduler:
@@ -1197,7 +1199,12 @@ class Scheduler:
                 # (prompt blocks a live twin holds are charged once: only the rest is taken)
                 blocks = self.ledger.admission_blocks(req, boundary)
                 if not self._may_admit(req, blocks, allowance, now, actions):
-                    return
+                    behind = self._backfill_behind(queue, req, blocks, now)
+                    if behind is None:
+                        return
+                    req, allowance = behind, self._allowance(behind)
+                    boundary = req.generated + allowance
+                    blocks = self.ledger.admission_blocks(req, boundary)
                 if (
                     self.front
                     and not req.paused_for
@@ -1234,40 +1241,81 @@ class Scheduler:
 
     def _backfill(self, queue: ClassQueue, head: Request) -> Request:
         """The fresh ``head`` the tenant stride picked in a class under a first-token objective,
-        or the caller of that class queued longest (another tenant's, fresh) where that one goes
+        or an older fresh caller of that class (the front queued longest of the tenants at most
+        one admission ahead of the head's: :meth:`ClassQueue.backfill_candidate`) where it goes
         first without costing the head its bound: it fits the admission budget and passes the
         gates now, the two do not fit together, and its service (its prefill and its length at
         :data:`BACKFILL_LENGTH_QUANTILE`, at the current step) takes at most
         :data:`BACKFILL_SLACK_SHARE` of the time the head may still wait.
 
         Backfilling, as batch schedulers do it around a reservation: the stride says whose turn
-        it is, not that an older caller must time out while the head takes the cache, and the
-        older caller's tenant pays for its admission in its pass as for any other. Classes
-        without a first-token objective (batch) keep the stride's order: their bounds are
-        long, and most conflicts would turn it into first come first served.
-        (Held out, both overlay seeds over the 37 cells: no cell worse, code at 4x +740 and
-        +835, and the light-load code cells where a caller timed out behind a later caller of a
-        less-served tenant now at or above every baseline: docs/policies.md.)"""
+        it is, not that an older caller must time out while the head takes the cache. The older
+        caller's tenant pays for its admission in its pass as for any other, and being at most
+        one admission ahead it gets at most one beyond its share: the weights hold under
+        saturation. Classes without a first-token objective (batch) keep the stride's order:
+        their bounds are long, and most conflicts would be decided by arrival.
+        (Held out, both overlay seeds over the 37 cells: docs/policies.md.)"""
         if head.cls.ttft_slo_s is None or head.paused_for or head.requeue_front:
             return head
-        oldest = queue.oldest()
-        if oldest is None or oldest is head or oldest.resume is not None or oldest.requeue_front:
+        older = queue.backfill_candidate(head)
+        if older is head or older.resume is not None or older.requeue_front:
             return head
         slack = self.queue_slack(head)
         if slack is None:
             return head
         ledger = self.ledger
-        allowance = self._allowance(oldest)
-        blocks = ledger.admission_blocks(oldest, oldest.generated + allowance)
+        allowance = self._allowance(older)
+        blocks = ledger.admission_blocks(older, older.generated + allowance)
         if not ledger.fits_admission(blocks):
             return head
         head_blocks = ledger.admission_blocks(head, head.generated + self._allowance(head))
         if ledger.fits_admission(blocks + head_blocks):
             return head  # (both go now: the stride's order costs no one)
-        if not all(self._gates(oldest, blocks, allowance, self._idle)):
+        if not all(self._gates(older, blocks, allowance, self._idle)):
             return head
-        service = self.forecast.predicted_service(oldest, BACKFILL_LENGTH_QUANTILE)
-        return oldest if service <= BACKFILL_SLACK_SHARE * slack else head
+        service = self.forecast.predicted_service(older, BACKFILL_LENGTH_QUANTILE)
+        return older if service <= BACKFILL_SLACK_SHARE * slack else head
+
+    def _backfill_behind(
+        self, queue: ClassQueue, head: Request, head_blocks: int, now: float
+    ) -> Request | None:
+        """A caller to admit behind a ``head`` that waits for blocks, in a class under a
+        first-token objective, without delaying it: EASY backfilling. The head's reservation is
+        when the releases at the recent rate return the blocks it wants beyond what is free
+        (fixed when first forecast, so that callers admitted behind it cannot push it back); a
+        fresh caller among the next :data:`BACKFILL_LOOKAHEAD` in the queue goes now if it fits
+        the admission budget, passes the gates, and its service (its length at
+        :data:`BACKFILL_LENGTH_QUANTILE`) ends before the reservation. None: the head waits
+        alone (not a head the blocks are short for, none measured, or no caller ends in time)."""
+        if not self.front or self.preempting or head.cls.ttft_slo_s is None:
+            return None
+        until = head.reserved_until
+        if until is None:
+            rate = self.forecast.release_rate(now)
+            deficit = self._deficit(head_blocks)
+            if rate <= 0.0 or deficit <= 0:
+                return None  # (held back by a gate, not by blocks; or no release measured)
+            until = head.reserved_until = now + deficit / rate
+        left = until - now
+        if left <= 0.0:
+            return None
+        ledger = self.ledger
+        looked = 0
+        for req in queue:
+            if req is head or req.resume is not None or req.requeue_front:
+                continue
+            looked += 1
+            if looked > BACKFILL_LOOKAHEAD:
+                break
+            allowance = self._allowance(req)
+            blocks = ledger.admission_blocks(req, req.generated + allowance)
+            if (
+                ledger.fits_admission(blocks)
+                and all(self._gates(req, blocks, allowance, self._idle))
+                and self.forecast.predicted_service(req, BACKFILL_LENGTH_QUANTILE) <= left
+            ):
+                return req
+        return None
 
     def _gates(self, req: Request, blocks: int, allowance: int, idle: bool) -> tuple[bool, bool]:
         """The gates of an admission of ``req`` (``blocks`` for ``allowance`` tokens): does the
