@@ -8,6 +8,7 @@ a policy).
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -211,3 +212,35 @@ def test_workload_strategy_is_valid(items: list[object]) -> None:
         assert it.spec.prompt_tokens < it.spec.model_max_len
         ids.add(it.request_id)
     assert len(ids) == len(items)
+
+
+@given(
+    weights=st.dictionaries(
+        st.sampled_from(["a", "b", "c", "d"]), st.integers(1, 10), min_size=2, max_size=4
+    ),
+    pops=st.integers(1, 150),
+    order=st.randoms(use_true_random=False),
+    backfill=st.lists(st.booleans(), min_size=150, max_size=150),
+)
+def test_backfilling_keeps_the_stride_within_two_strides(
+    weights: dict[str, int], pops: int, order: random.Random, backfill: list[bool]
+) -> None:
+    """Admitting the stride's backfill candidate instead of its head (whenever the scheduler
+    would) keeps every backlogged tenant's normalised service within two strides of another's:
+    the candidate's tenant is at most one admission ahead, and pays for the admission."""
+    q = _ClassQueue()
+    arrivals = [(t, i) for t in weights for i in range(pops)]
+    order.shuffle(arrivals)
+    for k, (tenant, i) in enumerate(arrivals):
+        spec = RequestSpec(4, 8, 64, service_class="batch", tenant=tenant)
+        q.push(Request(f"{tenant}-{i}", spec, BATCH, float(k), Counters()), float(weights[tenant]))
+    served = dict.fromkeys(weights, 0)
+    for step in range(pops):
+        head = q.head()
+        assert head is not None
+        pick = q.backfill_candidate(head) if backfill[step] else head
+        q.pop(pick, admitted=True)
+        served[pick.spec.tenant] += 1
+        for t, wt in weights.items():
+            for u, wu in weights.items():
+                assert served[t] / wt - served[u] / wu <= 2 * max(1 / wt, 1 / wu) + 1e-9

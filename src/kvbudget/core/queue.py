@@ -93,15 +93,19 @@ class ClassQueue:
                 best = front
         return best
 
-    def pop(self, req: Request) -> None:
+    def pop(self, req: Request, admitted: bool = False) -> None:
+        """Take ``req`` out of its line. Its tenant's pass advances when it was the line's front
+        or is ``admitted`` from behind it (backfilled: every admission is paid for), not for a
+        put-back checkpoint."""
         tq = self.tenants[self._tenant(req)]
-        if tq.items and tq.items[0] is req:
+        front = bool(tq.items) and tq.items[0] is req
+        if front:
             tq.items.popleft()
-            if not req.requeue_front:
-                self.vtime = tq.pass_
-                tq.pass_ += 1.0 / tq.weight
         else:
             tq.items.remove(req)
+        if (front or admitted) and not req.requeue_front:
+            self.vtime = tq.pass_
+            tq.pass_ += 1.0 / tq.weight
         req.requeue_front = False
         self.count -= 1
         self.want_blocks -= req.want_blocks

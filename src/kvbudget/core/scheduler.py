@@ -1216,7 +1216,7 @@ class Scheduler:
                     actions.append(self._turn_away(req, "first-token-late"))
                     continue
                 ahead = self._lookahead(req)  # (asked first: an answer refused changes nothing)
-                queue.pop(req)
+                queue.pop(req, admitted=True)
                 if req.wait_forecast:
                     self.forecast.note_waited(req.wait_forecast, req.wait_bound, True, now)
                     req.wait_forecast = 0.0
@@ -1579,6 +1579,7 @@ class Scheduler:
         self._enter_active(req)
         req.admitted_at = now
         req.paused_for = False  # (served: a later pause of its own is a checkpoint's)
+        req.reserved_until = None  # (a reservation is a queued head's: it starts again if requeued)
         req.prefill_pending = self.ledger.prefill_tokens(req)  # (shared blocks are cached)
         # (what is left of the backlog, not all of it: a long prompt nearly prefilled is
         # mostly behind this one already; see Forecast.queued_prefill)
