@@ -1202,9 +1202,8 @@ class Scheduler:
                     behind = self._backfill_behind(queue, req, blocks, now)
                     if behind is None:
                         return
-                    req, allowance = behind, self._allowance(behind)
+                    req, allowance, blocks = behind
                     boundary = req.generated + allowance
-                    blocks = self.ledger.admission_blocks(req, boundary)
                 if (
                     self.front
                     and not req.paused_for
@@ -1278,15 +1277,16 @@ class Scheduler:
 
     def _backfill_behind(
         self, queue: ClassQueue, head: Request, head_blocks: int, now: float
-    ) -> Request | None:
+    ) -> tuple[Request, int, int] | None:
         """A caller to admit behind a ``head`` that waits for blocks, in a class under a
         first-token objective, without delaying it: EASY backfilling. The head's reservation is
         when the releases at the recent rate return the blocks it wants beyond what is free
         (fixed when first forecast, so that callers admitted behind it cannot push it back); a
         fresh caller among the next :data:`BACKFILL_LOOKAHEAD` in the queue goes now if it fits
         the admission budget, passes the gates, and its service (its length at
-        :data:`BACKFILL_LENGTH_QUANTILE`) ends before the reservation. None: the head waits
-        alone (not a head the blocks are short for, none measured, or no caller ends in time)."""
+        :data:`BACKFILL_LENGTH_QUANTILE`) ends before the reservation: that caller, with its
+        allowance and the blocks its grant takes. None: the head waits alone (not a head the
+        blocks are short for, none measured, or no caller ends in time)."""
         if not self.front or self.preempting or head.cls.ttft_slo_s is None:
             return None
         until = head.reserved_until
@@ -1314,7 +1314,7 @@ class Scheduler:
                 and all(self._gates(req, blocks, allowance, self._idle))
                 and self.forecast.predicted_service(req, BACKFILL_LENGTH_QUANTILE) <= left
             ):
-                return req
+                return req, allowance, blocks
         return None
 
     def _gates(self, req: Request, blocks: int, allowance: int, idle: bool) -> tuple[bool, bool]:
