@@ -1262,18 +1262,14 @@ class Scheduler:
         slack = self.queue_slack(head)
         if slack is None:
             return head
+        goes = self._goes_now_within(older, BACKFILL_SLACK_SHARE * slack)
+        if goes is None:
+            return head
         ledger = self.ledger
-        allowance = self._allowance(older)
-        blocks = ledger.admission_blocks(older, older.generated + allowance)
-        if not ledger.fits_admission(blocks):
-            return head
         head_blocks = ledger.admission_blocks(head, head.generated + self._allowance(head))
-        if ledger.fits_admission(blocks + head_blocks):
+        if ledger.fits_admission(goes[1] + head_blocks):
             return head  # (both go now: the stride's order costs no one)
-        if not all(self._gates(older, blocks, allowance, self._idle)):
-            return head
-        service = self.forecast.predicted_service(older, BACKFILL_LENGTH_QUANTILE)
-        return older if service <= BACKFILL_SLACK_SHARE * slack else head
+        return older
 
     def _backfill_behind(
         self, queue: ClassQueue, head: Request, head_blocks: int, now: float
@@ -1299,7 +1295,6 @@ class Scheduler:
         left = until - now
         if left <= 0.0:
             return None
-        ledger = self.ledger
         looked = 0
         for req in queue:
             if req is head or req.resume is not None or req.requeue_front:
@@ -1307,14 +1302,24 @@ class Scheduler:
             looked += 1
             if looked > BACKFILL_LOOKAHEAD:
                 break
-            allowance = self._allowance(req)
-            blocks = ledger.admission_blocks(req, req.generated + allowance)
-            if (
-                ledger.fits_admission(blocks)
-                and all(self._gates(req, blocks, allowance, self._idle))
-                and self.forecast.predicted_service(req, BACKFILL_LENGTH_QUANTILE) <= left
-            ):
-                return req, allowance, blocks
+            goes = self._goes_now_within(req, left)
+            if goes is not None:
+                return req, *goes
+        return None
+
+    def _goes_now_within(self, req: Request, seconds: float) -> tuple[int, int] | None:
+        """Could the queued ``req`` be admitted now and be done within ``seconds``: its grant
+        fits the admission budget, it passes the gates, and its service (its prefill and its
+        length at :data:`BACKFILL_LENGTH_QUANTILE`, at the current step) takes at most that
+        long? Its allowance and the blocks of its grant if so (the rule both backfills ask)."""
+        allowance = self._allowance(req)
+        blocks = self.ledger.admission_blocks(req, req.generated + allowance)
+        if (
+            self.ledger.fits_admission(blocks)
+            and all(self._gates(req, blocks, allowance, self._idle))
+            and self.forecast.predicted_service(req, BACKFILL_LENGTH_QUANTILE) <= seconds
+        ):
+            return allowance, blocks
         return None
 
     def _gates(self, req: Request, blocks: int, allowance: int, idle: bool) -> tuple[bool, bool]:
