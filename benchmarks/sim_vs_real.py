@@ -73,8 +73,9 @@ the example's policy (``--policy``, default ``calibrated``, with ``--first-token
 where the run's ``--example-arg`` set it)
 with the example's service classes (``kvbudget.DEFAULT_CLASSES``: every request is ``interactive``
 but the mixed workload's backlog:
-TTFT objective 2 s, admission wait at most 2 s, latency floor 200 ms) and the default
-``SchedulerConfig``. The engine is a fitted profile (``--engine-profile``): ``run`` (the default) is
+TTFT objective 2 s, admission wait at most 2 s, latency floor 200 ms) and the
+``SchedulerConfig`` the vLLM adapter sets (:func:`simulated_config`: 4 tokens charged past every
+grant's boundary). The engine is a fitted profile (``--engine-profile``): ``run`` (the default) is
 the profile the kvbudget server fitted from its own engine steps over the real run (serve_bench
 keeps it as ``engine-profile-kvbudget.json`` in its ``--out`` directory; with rotated repeats its
 first start's, each run's own beside it): the same engine on the
@@ -190,11 +191,16 @@ for _p in (str(ROOT / "src"), str(HERE)):
 
 import serve_bench as sb  # noqa: E402
 
+from kvbudget.core.config import SchedulerConfig  # noqa: E402
 from kvbudget.core.cost import CostModel, StepTimeModel  # noqa: E402
 from kvbudget.core.forecast import ForecastMemory  # noqa: E402
 from kvbudget.core.lengths import LengthModel  # noqa: E402
 from kvbudget.core.policy import Policy, make_policy  # noqa: E402
-from kvbudget.engines.vllm.adapter import PREFILL_PROBES, prefill_probe_lengths  # noqa: E402
+from kvbudget.engines.vllm.adapter import (  # noqa: E402
+    DEFAULT_SLACK_TOKENS,
+    PREFILL_PROBES,
+    prefill_probe_lengths,
+)
 from kvbudget.policy_options import (  # noqa: E402
     POLICY_DEFAULT,
     add_first_token_pause_option,
@@ -742,6 +748,14 @@ def simulated_policy(server: str, example: ExamplePolicy) -> ExamplePolicy:
     return functools.partial(make_policy, VLLM_POLICY, max_num_queued_reqs=cap)
 
 
+def simulated_config(server: str) -> SchedulerConfig | None:
+    """The scheduler's knobs of ``server`` in the simulator: the example's are those the vLLM
+    adapter sets (``BudgetedEngine``: every grant charged :data:`DEFAULT_SLACK_TOKENS` past its
+    boundary, which takes one more block where a boundary falls that near a block's end);
+    vLLM's baseline charges nothing past what it holds (None: the default)."""
+    return SchedulerConfig(slack_tokens=DEFAULT_SLACK_TOKENS) if server == "kvbudget" else None
+
+
 def policy_name(server: str, example: str) -> str:
     """How :func:`simulated_policy` of ``server`` is named in the output's meta."""
     if server == "kvbudget":
@@ -833,7 +847,7 @@ def simulate_workloads(
                 chosen = policies[server]
                 result = simulate(
                     reqs, scenario, engine, chosen if isinstance(chosen, str) else chosen(),
-                    seed=seed,
+                    seed=seed, config=simulated_config(server),
                     keep_requests=True, lengths=lengths, cost=cost, stalls=spans,
                     stall_speed=stall_speed, forecast=memories[server],
                 )

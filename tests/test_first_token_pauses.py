@@ -308,8 +308,11 @@ def test_callers_a_round_of_pauses_was_made_for_are_not_turned_away_while_it_con
     instead of being turned away, which would lose the pauses and the callers both. Here every
     stop is confirmed 1 s after it was asked, on the 30-caller burst: one round pauses 6 streams
     for 7 due callers, whose bounds pass before the pauses are confirmed (turned away then, all
-    7 were lost; now they get their first tokens, late)."""
-    s = measured(pausing())
+    7 were lost; now they get their first tokens, late). The grants are the ones a block ahead
+    (``tight_floor_steps=None``): the round's figures are theirs."""
+    s = measured(CalibratedPolicy(
+        first_token_pause_share=FIRST_TOKEN_PAUSE_SHARE, tight_floor_steps=None
+    ))
     e = Engine(s, confirm_delay=1.0)
     for i in range(30):
         e.apply(s.arrive(f"r{i}", spec(), 0.0))

@@ -934,5 +934,6 @@ def test_each_simulated_server_keeps_its_forecast_from_one_workload_to_the_next(
         policy=pausing,
     )["overload"]["kvbudget"]
     assert alone["rejected"] == 0
-    assert after["rejections_by_reason"].get("deadline", 0) >= 20
+    # (34 turned away with grants a block ahead; 18 with the tight grants, which serve 16 more)
+    assert after["rejections_by_reason"].get("deadline", 0) >= 10
     assert after["good"] + after["rejected"] == 160 and after["late"] == 0

@@ -63,6 +63,10 @@ class CalibratedPolicy(BasePolicy):
       first tokens; waiting in kvbudget's queue, which serves them first, it does not. With
       nothing queued for prefill it is admitted (None: batch never waits for the prefill
       queue);
+    * a grant made the vLLM way is as tight as vLLM's allocation where the engine's steps are
+      short against the stream's latency floor (``tight_floor_steps``, :meth:`_tight`): to
+      the end of the block its next token goes in, one block at a time, asked a pause's
+      confirmation ahead (None: always a block ahead, two at a time);
     * running streams are not paused for a fresh caller's first token unless
       ``first_token_pause_share`` is set (:meth:`first_token_pause_at`): by default a wave larger
       than the cache is answered with bounded admission and an early "overloaded", and the
@@ -86,6 +90,7 @@ class CalibratedPolicy(BasePolicy):
         recompute_share: float | None = 0.1,
         min_prefill_observations: int = 8,
         first_token_pause_share: float | None = None,
+        tight_floor_steps: int | None = 20,
     ) -> None:
         self.headroom_min = check_float("headroom_min", headroom_min, maximum=1.0)
         self.headroom_max = check_float(
@@ -120,6 +125,11 @@ class CalibratedPolicy(BasePolicy):
             else check_float(
                 "first_token_pause_share", first_token_pause_share, open_min=True, maximum=1.0
             )
+        )
+        self.tight_floor_steps = (
+            None
+            if tight_floor_steps is None
+            else check_int("tight_floor_steps", tight_floor_steps, minimum=1)
         )
         self._demand = 0.0
         self._demand_of: dict[str, float] = {}
@@ -163,7 +173,8 @@ class CalibratedPolicy(BasePolicy):
         keep cached) takes at most ``recompute_share`` of its first-token objective (2 s for a
         class without one).
         Such a request is granted like vLLM grants: the blocks it fills now and one more, grown
-        two blocks at a time; when the cache runs out a request admitted after it is paused
+        two blocks at a time, or tighter where its steps are short against its latency floor
+        (:meth:`_tight`); when the cache runs out a request admitted after it is paused
         (checkpointed; :meth:`_newer` says which), as vLLM preempts, but before the engine
         has to."""
         share = self.recompute_share
@@ -259,8 +270,51 @@ class CalibratedPolicy(BasePolicy):
             slack is None or held > 0.25 * slack
         )
 
+    def _tight(self, req: Request) -> bool:
+        """Is ``req``, granted the vLLM way (:meth:`cheap_to_pause`: the caller asks), granted
+        as tight as vLLM allocates? Where its class has a latency floor at least
+        ``tight_floor_steps`` engine steps long (:meth:`~kvbudget.core.scheduler.Scheduler.
+        step_seconds`): its grant then reaches the end of the block its next token goes in,
+        grows one block at a time, and is asked to grow only as many tokens ahead as a pause of
+        a newer stream takes to return its blocks (:meth:`_pause_lookahead`). Elsewhere it holds
+        the next block as well, grows two at a time and asks a block ahead.
+
+        A block held ahead by every stream is a block per stream no caller can be admitted
+        into: over the 20-30 streams of a small cache, a tenth of it, and callers queued in a
+        wave time out behind it while vLLM admits them. Where steps are short against the
+        floor, a stream that reaches its boundary before the blocks it asked for are back loses
+        a few steps of its pace, not its floor; where they are long (an A100 under load, 80 ms
+        steps against a 200 ms floor), a step lost is a stall, and the block ahead is kept."""
+        steps = self.tight_floor_steps
+        floor = req.latency_floor
+        return (
+            steps is not None
+            and math.isfinite(floor)
+            and self._s.step_seconds() * steps <= floor
+        )
+
+    def _pause_lookahead(self) -> int:
+        """Tokens before its boundary a tight grant (:meth:`_tight`) asks to grow: those its
+        stream makes while a pause of a newer stream returns its blocks (the engine's
+        confirmation delay as measured, ``confirm_seconds``, at the current step time), and two
+        more for tokens the engine produced before its reader charged them. At most a block;
+        a block until a confirmation was measured."""
+        s = self._s
+        confirm = s.confirm_seconds
+        step = s.step_seconds()
+        if confirm is None or not step > 0.0:
+            return self.block_size
+        return max(1, min(self.block_size, math.ceil(confirm / step) + 2))
+
     def initial_allowance(self, req: Request) -> int:
         if self.cheap_to_pause(req):
+            if self._tight(req):
+                # to the end of the block its next token goes in (less the slack the ledger
+                # charges past every boundary): what vLLM allocates for it
+                ledger = self._s.ledger
+                blocks = blocks_for(req.context_tokens + 1 + ledger.slack_tokens, self.block_size)
+                fill = ledger.covered_boundary(req, blocks) - req.generated
+                return max(1, min(req.remaining, fill))
             fill = -req.context_tokens % self.block_size + self.block_size
             return max(1, min(req.remaining, fill))
         lengths = self._s.lengths
@@ -278,6 +332,8 @@ class CalibratedPolicy(BasePolicy):
         return max(1, allowance)
 
     def lookahead_tokens(self, req: Request) -> int:
+        if self.cheap_to_pause(req) and self._tight(req):
+            return self._pause_lookahead()
         return self.lookahead_blocks * self.block_size
 
     def admit(self, req: Request, blocks: int) -> bool:
@@ -321,8 +377,10 @@ class CalibratedPolicy(BasePolicy):
         return self._extension(req, self._target(req))
 
     def _cheap_step(self, req: Request) -> int:
-        """An extension of a request granted the vLLM way: two blocks (or what remains)."""
-        return max(1, min(req.hard_max - req.boundary, 2 * self.block_size))
+        """An extension of a request granted the vLLM way: two blocks, one for a tight grant
+        (:meth:`_tight`), or what remains."""
+        blocks = 1 if self._tight(req) else 2
+        return max(1, min(req.hard_max - req.boundary, blocks * self.block_size))
 
     def _target(self, req: Request) -> int:
         """The length an extension of ``req`` aims to cover: its conditional quantile."""
