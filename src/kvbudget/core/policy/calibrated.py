@@ -273,8 +273,8 @@ class CalibratedPolicy(BasePolicy):
     def _tight(self, req: Request) -> bool:
         """Is ``req``, granted the vLLM way (:meth:`cheap_to_pause`: the caller asks), granted
         as tight as vLLM allocates? Where its class has a latency floor at least
-        ``tight_floor_steps`` engine steps long (:meth:`~kvbudget.core.scheduler.Scheduler.
-        step_seconds`): its grant then reaches the end of the block its next token goes in,
+        ``tight_floor_steps`` engine steps long (at the scheduler's ``step_seconds`` now): its
+        grant then reaches the end of the block its next token goes in,
         grows one block at a time, and is asked to grow only as many tokens ahead as a pause of
         a newer stream takes to return its blocks (:meth:`_pause_lookahead`). Elsewhere it holds
         the next block as well, grows two at a time and asks a block ahead.
