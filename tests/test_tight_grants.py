@@ -11,6 +11,7 @@ import pytest
 from kvbudget.core import events as ev
 from kvbudget.core.config import SchedulerConfig
 from kvbudget.core.cost import CostModel, StepTimeModel
+from kvbudget.core.lifecycle import Request
 from kvbudget.core.model import Capacity, RequestSpec
 from kvbudget.core.policy import CalibratedPolicy
 from kvbudget.core.scheduler import Scheduler
@@ -42,8 +43,11 @@ def spec(prompt: int = 500, service_class: str = "interactive") -> RequestSpec:
     )
 
 
-def admitted(s: Scheduler, rid: str, req_spec: RequestSpec) -> None:
-    assert any(isinstance(a, ev.Admit) for a in s.arrive(rid, req_spec, 0.0))
+def admitted(s: Scheduler, req_spec: RequestSpec) -> tuple[CalibratedPolicy, Request]:
+    """The policy of ``s`` and request "a", admitted at once."""
+    assert any(isinstance(x, ev.Admit) for x in s.arrive("a", req_spec, 0.0))
+    assert isinstance(s.policy, CalibratedPolicy)
+    return s.policy, s.requests["a"]
 
 
 def test_short_steps_grant_to_the_end_of_the_next_tokens_block() -> None:
@@ -51,10 +55,7 @@ def test_short_steps_grant_to_the_end_of_the_next_tokens_block() -> None:
     # A 500-token prompt: its next token (the 501st) goes in block 16 (tokens 481-512), so the
     # grant covers 12 tokens, where a grant a block ahead covers 12 + 32 = 44
     s = engine(0.004)
-    policy = s.policy
-    assert isinstance(policy, CalibratedPolicy)
-    admitted(s, "a", spec())
-    a = s.requests["a"]
+    policy, a = admitted(s, spec())
     assert policy.cheap_to_pause(a) and policy._tight(a)
     assert a.boundary == 12 and a.blocks == 16
     # before a confirmation was measured it asks a block ahead: at once
@@ -64,17 +65,13 @@ def test_short_steps_grant_to_the_end_of_the_next_tokens_block() -> None:
     assert a.boundary == 12 + BLOCK  # one block at a time
     # with the slack the adapter charges past every boundary, the same block ends 4 tokens
     # earlier for the grant
-    s4 = engine(0.004, slack=4)
-    admitted(s4, "a", spec())
-    assert s4.requests["a"].boundary == 8 and s4.requests["a"].blocks == 16
+    _, a4 = admitted(engine(0.004, slack=4), spec())
+    assert a4.boundary == 8 and a4.blocks == 16
 
 
 def test_the_tight_lookahead_is_a_pauses_confirmation_and_two_steps() -> None:
     s = engine(0.004)
-    policy = s.policy
-    assert isinstance(policy, CalibratedPolicy)
-    admitted(s, "a", spec())
-    a = s.requests["a"]
+    policy, a = admitted(s, spec())
     assert policy.lookahead_tokens(a) == BLOCK  # nothing confirmed yet
     s.confirm_seconds = 0.01
     # 10 ms of confirmation at 4 ms a step: 3 tokens, and 2 more for the reader
@@ -96,10 +93,7 @@ def test_elsewhere_a_grant_holds_the_next_block_as_well(
     step_s: float, service_class: str, floor_steps: int | None
 ) -> None:
     s = engine(step_s, policy=CalibratedPolicy(tight_floor_steps=floor_steps))
-    policy = s.policy
-    assert isinstance(policy, CalibratedPolicy)
-    admitted(s, "a", spec(service_class=service_class))
-    a = s.requests["a"]
+    policy, a = admitted(s, spec(service_class=service_class))
     assert policy.cheap_to_pause(a) and not policy._tight(a)
     assert a.boundary == 12 + BLOCK
     assert policy.lookahead_tokens(a) == BLOCK
