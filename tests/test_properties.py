@@ -62,6 +62,14 @@ TestVariant_calibrated_pauses_engaged = BudgetStateMachine.for_policy(
 ).TestCase
 TestVariant_calibrated_pauses_engaged.settings = PROFILE
 
+#: the same with tight grants wherever a stream has a latency floor (one step in it is enough):
+#: every invariant is checked through grants that end at the block of the next token, grow one
+#: block at a time and are asked a pause's confirmation ahead (CalibratedPolicy._tight)
+TestVariant_calibrated_tight_grants = BudgetStateMachine.for_policy(
+    lambda _truth: _PausesEngaged(tight_floor_steps=1), name="calibrated-tight-grants"
+).TestCase
+TestVariant_calibrated_tight_grants.settings = PROFILE
+
 
 def test_every_shipped_policy_has_a_state_machine_test() -> None:
     names = {k for k in globals() if k.startswith("TestPolicy_")}
