@@ -689,6 +689,13 @@ def test_the_pace_is_found_from_the_streams_gap() -> None:
     # a gap far outside what any scale gives stops at the bound
     (_, _), fast = svr.paced_simulation(run_at, target / 100, client)
     assert fast == svr.PACE_BOUNDS[0]
+    # a server that ran at less than half the profile's step time (vLLM's server in a fast
+    # spell of the machine, the profile fitted by the example's engine in a slow one: sb30a)
+    # is found there, not held at half
+    quick = svr.sim_stream_gap(run_at(0.4)[0].request_records, client)
+    assert quick is not None
+    (_, _), scale = svr.paced_simulation(run_at, quick, client)
+    assert 0.35 < scale < 0.45
 
 
 def test_phase_gaps_split_the_streams_by_their_middle() -> None:
