@@ -132,6 +132,13 @@ hypervisor gave to others (``steal`` in ``/proc/stat``), read every 0.25 s while
 server and workload differ by 20-50 % in pace here, at times only while requests arrive; this
 says whether the host took the difference.
 
+The machine's pace before each run (``machine_probe_ms``: :func:`machine_probe_ms`, a fixed
+pure-Python loop timed in the client while the server is idle) and, for every server but vLLM's,
+its ratio to the probe before the vLLM run it is compared with (``machine_vs_reference``; the
+table notes ``machine=xR_vs_vllm`` past :data:`MACHINE_DRIFT`): the host can slow the whole
+machine 2-3x for minutes with no steal to show for it, and a run made then compares two
+machines, not two servers.
+
 Preemptions: ``/metrics`` is scraped before and after each workload (after the idle wait):
 ``vllm:num_preemptions_total`` (vLLM), ``kvbudget_engine_preemptions_total`` (the example, once it
 exports it; ``null`` otherwise; the budget's own ``kvbudget_preemptions_total`` is reported as
@@ -1645,6 +1652,39 @@ def mixed_plan(
 OWN_CLIENT_PLANS = {"abandon": abandon_plan, "mixed": mixed_plan}
 
 
+#: a run whose machine probe differs from its vLLM reference's by more than this factor is
+#: noted in the table (``machine=xR_vs_vllm``): it compares two machines, not two servers
+MACHINE_DRIFT = 1.3
+#: the probe's work: a fixed CPU-bound loop, timed this many times (the median is kept)
+PROBE_LOOP = 200_000
+PROBE_REPEATS = 5
+
+
+def machine_probe_ms() -> float:
+    """The machine's pace just before a run, in ms: the median of :data:`PROBE_REPEATS` timings
+    of the same pure-Python loop, taken in the client while the server is idle. A held-out run
+    (thirtieth session, ``/tmp/sb30a``) met the machine slowing about 3x between vLLM's
+    server's turn and the kvbudget servers'; with the steal at 0.1 % nothing in the table said
+    so. The probe does: the ratio of a run's probe to its vLLM reference's is in the summary
+    (``machine_vs_reference``), and noted where it passes :data:`MACHINE_DRIFT`."""
+    times: list[float] = []
+    for _ in range(PROBE_REPEATS):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(PROBE_LOOP):
+            total += i * i
+        times.append((time.perf_counter() - t0) * 1000.0)
+    return round(statistics.median(times), 3)
+
+
+def machine_ratio(probe_ms: float | None, reference_ms: float | None) -> float | None:
+    """How much slower the machine was for a run than for its reference run (> 1: slower),
+    from their probes (:func:`machine_probe_ms`); None where either is missing."""
+    if probe_ms is None or reference_ms is None or reference_ms <= 0.0:
+        return None
+    return round(probe_ms / reference_ms, 3)
+
+
 @dataclass
 class Run:
     """One workload run on one server."""
@@ -1665,6 +1705,8 @@ class Run:
     client_stalls: list[tuple[float, float]] = field(default_factory=list)
     #: :meth:`StealWatch.take` of the run: the share of the machine's CPU time the host took
     steal: list[tuple[float, float]] = field(default_factory=list)
+    #: :func:`machine_probe_ms` just before the run, its server idle
+    probe_ms: float | None = None
 
 
 def run_workload(
@@ -1676,6 +1718,7 @@ def run_workload(
     run.idle["before_s"] = round(waited, 2)
     if busy:
         run.idle["before_busy"] = busy
+    run.probe_ms = machine_probe_ms()
     before = srv.counters()
     n = num_prompts(workload, opts.num_prompts_scale)
     prefix = f"sb-{srv.spec.name}-{workload.name}-r{rep}-{uuid.uuid4().hex[:6]}-"
@@ -1773,6 +1816,7 @@ def finish_runs(runs: list[Run]) -> None:
         s["idle_wait"] = run.idle
         s.update(stall_figures(run.client_stalls))
         s.update(steal_figures(run.steal, STEAL_INTERVAL_S))
+        s["machine_probe_ms"] = run.probe_ms
         if run.error:
             s["error"] = run.error
         run.summary = s
@@ -1783,6 +1827,7 @@ def finish_runs(runs: list[Run]) -> None:
         if refs_of:
             ref = refs_of.get(run.rep, refs_of[min(refs_of)])
             run.summary["false_rejections"] = false_rejections(ref.records, run.records)
+            run.summary["machine_vs_reference"] = machine_ratio(run.probe_ms, ref.probe_ms)
 
 
 def request_index(request_id: str) -> str:
@@ -1862,6 +1907,9 @@ def table_line(run: Run) -> str:
     if (s.get("machine_steal_max_share") or 0.0) >= 0.05:
         notes.append(f"steal={100 * s['machine_steal_share']:.0f}%"
                      f"(max {100 * s['machine_steal_max_share']:.0f}%/s)")
+    ratio = s.get("machine_vs_reference")
+    if ratio is not None and not 1 / MACHINE_DRIFT <= ratio <= MACHINE_DRIFT:
+        notes.append(f"machine=x{ratio:.2f}_vs_vllm")
     notes.append(f"text_checked={s['text_checked']}")
     if s["text_fffd_only"]:
         notes.append(f"text_fffd_only={s['text_fffd_only']}")

@@ -513,3 +513,28 @@ def test_mixed_variants_come_from_their_own_bench_args_and_others_ignore_them() 
             sb.mixed_shape(bad)
     with pytest.raises(ValueError, match="no arguments"):
         sb.abandon_plan(4, 0, "a-", 1024, range(5), ["--mixed-rate", "4"])
+
+
+def test_a_run_on_a_slower_machine_than_its_reference_is_noted() -> None:
+    """The machine probe (a fixed pure-Python loop, timed in the client before each run): a
+    run whose probe is more than MACHINE_DRIFT times its vLLM reference's is noted in the
+    table, where it compares two machines rather than two servers (sb30a: the machine slowed
+    about 3x between vLLM's turn and the kvbudget servers')."""
+    probe = sb.machine_probe_ms()
+    assert probe > 0.0
+    assert sb.machine_ratio(30.0, 10.0) == 3.0 and sb.machine_ratio(None, 10.0) is None
+    assert sb.machine_ratio(10.0, None) is None
+    recs = [_rec(outcome="good", request_id=f"sb-x-r0-{k}") for k in range(3)]
+    runs = []
+    for server, probe_ms in (("vllm", 10.0), ("kvbudget", 31.0), ("kvbudget-serve", 11.0)):
+        run = sb.Run("moderate", server, 0, records=list(recs), duration=1.0)
+        run.probe_ms = probe_ms
+        runs.append(run)
+    sb.finish_runs(runs)
+    vllm, slow, same = runs
+    assert vllm.summary["machine_probe_ms"] == 10.0
+    assert "machine_vs_reference" not in vllm.summary
+    assert slow.summary["machine_vs_reference"] == 3.1
+    assert "machine=x3.10_vs_vllm" in sb.table_line(slow)
+    assert same.summary["machine_vs_reference"] == 1.1
+    assert "machine=" not in sb.table_line(same)
