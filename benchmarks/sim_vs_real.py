@@ -1280,6 +1280,20 @@ def _runs(path: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
     return grouped
 
 
+def machine_drifts(path: Path) -> list[str]:
+    """The runs of a serve_bench ``--out`` directory made on a machine more than
+    ``serve_bench.MACHINE_DRIFT`` times slower or faster than its vLLM reference run, as
+    ``workload/server rK xR`` (serve_bench's ``machine_vs_reference``, from its machine probe;
+    runs made before the probe have none): their real cells compare two machines."""
+    out = []
+    for (workload, server), runs in _runs(path).items():
+        for k, run in enumerate(runs):
+            ratio = run.get("summary", {}).get("machine_vs_reference")
+            if ratio is not None and not 1 / sb.MACHINE_DRIFT <= ratio <= sb.MACHINE_DRIFT:
+                out.append(f"{workload}/{server} r{k} x{ratio:g}")
+    return out
+
+
 def front_end_stretches(path: Path) -> dict[str, list[FrontEndRecord]]:
     """Per server, each workload run of a serve_bench ``--out`` directory as one stretch of its
     front end's work: (requests sent, outputs streamed = the chunks that carried tokens,
@@ -1994,6 +2008,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if windows:
             print(f"# {server}'s pace per window of its run, first to last (--pace phases, the "
                   f"first run): {windows}")
+    drifts = machine_drifts(run_dir) if run_dir is not None else []
+    if drifts:
+        print(f"# WARNING: the machine's probe before these real runs differs from their vLLM "
+              f"reference's by more than {sb.MACHINE_DRIFT}x (they compare two machines): "
+              f"{', '.join(drifts)}")
     speed = speed_check(result)
     if speed is not None:
         print(f"# engine speed at light load (abandon, vllm): TPOT p50 real "

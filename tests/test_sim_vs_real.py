@@ -308,6 +308,31 @@ def test_records_dir_and_translation_check(
     assert "burst" in text.splitlines()[2]  # the table row
 
 
+def test_real_runs_on_a_different_machine_than_their_reference_are_flagged(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """serve_bench's machine probe: a kvbudget run made on a machine 2.9x slower than its vLLM
+    reference's (sb30a) is named in a warning; one within MACHINE_DRIFT, or a run made before
+    the probe (no ratio), is not."""
+    plan = svr.plan_workload("burst", 0, TOK)
+    for server, ratio in (("vllm", None), ("kvbudget", 2.9), ("vllm-cap8", 1.1)):
+        records = [
+            {"request_id": f"sb-{server}-burst-r0-abc-{p.index}", "start": 100.0,
+             "prompt_len": p.prompt_tokens, "output_len": p.output_tokens}
+            for p in plan
+        ]
+        summary = _summary(25, 5)
+        if ratio is not None:
+            summary["machine_vs_reference"] = ratio
+        (tmp_path / f"records-burst-{server}-r0.json").write_text(json.dumps(
+            {"summary": summary, "records": records}
+        ))
+    assert svr.machine_drifts(tmp_path) == ["burst/kvbudget r0 x2.9"]
+    assert svr.main(["--real", str(tmp_path), "--workload", "burst"]) == 0
+    warned = [ln for ln in capsys.readouterr().out.splitlines() if "compare two machines" in ln]
+    assert len(warned) == 1 and "burst/kvbudget r0 x2.9" in warned[0]
+
+
 def _held_out_run(
     run: pathlib.Path, bench_args: list[str], settings: bool, engine: tuple[str, ...] = ()
 ) -> None:
