@@ -1685,6 +1685,12 @@ def machine_ratio(probe_ms: float | None, reference_ms: float | None) -> float |
     return round(probe_ms / reference_ms, 3)
 
 
+def machine_drifted(ratio: float | None) -> bool:
+    """Was a run's machine more than :data:`MACHINE_DRIFT` times slower or faster than its
+    reference run's (``ratio``: :func:`machine_ratio`; None: not known, not drifted)?"""
+    return ratio is not None and not 1 / MACHINE_DRIFT <= ratio <= MACHINE_DRIFT
+
+
 @dataclass
 class Run:
     """One workload run on one server."""
@@ -1908,7 +1914,7 @@ def table_line(run: Run) -> str:
         notes.append(f"steal={100 * s['machine_steal_share']:.0f}%"
                      f"(max {100 * s['machine_steal_max_share']:.0f}%/s)")
     ratio = s.get("machine_vs_reference")
-    if ratio is not None and not 1 / MACHINE_DRIFT <= ratio <= MACHINE_DRIFT:
+    if machine_drifted(ratio):
         notes.append(f"machine=x{ratio:.2f}_vs_vllm")
     notes.append(f"text_checked={s['text_checked']}")
     if s["text_fffd_only"]:

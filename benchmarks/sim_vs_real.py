@@ -1289,7 +1289,7 @@ def machine_drifts(path: Path) -> list[str]:
     for (workload, server), runs in _runs(path).items():
         for k, run in enumerate(runs):
             ratio = run.get("summary", {}).get("machine_vs_reference")
-            if ratio is not None and not 1 / sb.MACHINE_DRIFT <= ratio <= sb.MACHINE_DRIFT:
+            if sb.machine_drifted(ratio):
                 out.append(f"{workload}/{server} r{k} x{ratio:g}")
     return out
 
