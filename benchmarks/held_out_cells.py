@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/held_out_cells.py [--traces DIR] [--policy P ...] [--jobs 2]
         [--seed 0] [--cell SUBSTRING ...] [--limit N] [--json FILE] [--mooncake DIR]
-        [--simulate-arg ARG ...]
+        [--simulate-arg ARG ...] [--shapes DIR]
 
 Cells (37): the tiny CPU engine's profile (``vllm-cpu-tiny``) at 0.6x, 1x, 2x and 4x and the
 default engine model (Llama-2-7B on an A100) at 1x and 4x, on the five synthetic traces of
@@ -16,8 +16,11 @@ the A100 model at 0.05x, 0.1x, 0.25x, 1x and 4x, as a 128K-context model
 (``--model-max-len 131072``: their prompts run to 126K and 191K tokens; a longer one is cut to
 it). A cell is named
 ``TRACE/PROFILE/LOAD`` (``bursty/tiny/2``); ``--cell`` keeps the cells whose name contains one of
-the substrings given. Each cell runs what ``kvbudget simulate --trace T --rate-scale X
-[--engine-profile vllm-cpu-tiny] [--limit 3000] --seed S --policy P`` runs, through
+the substrings given. With ``--shapes DIR`` 66 more: the eleven trace shapes of
+``benchmarks/shape_traces.py`` (written to DIR when absent there; the thirty-first session's
+held-out shapes) at the synthetic traces' six loads, named ``shape-NAME/PROFILE/LOAD``
+(``--cell shape-`` keeps only them). Each cell runs what ``kvbudget simulate --trace T
+--rate-scale X [--engine-profile vllm-cpu-tiny] [--limit 3000] --seed S --policy P`` runs, through
 :mod:`kvbudget.cli`'s own builders; ``--limit N`` replays only each trace's first N requests (a
 quick look, not the table). Prints per cell and policy the good requests, goodput and
 interactive stalls; with calibrated and other policies, per cell the best other one and whether
@@ -49,16 +52,22 @@ MOONCAKE = {"mooncake-conv": "conversation_trace.jsonl", "mooncake-syn": "synthe
 MOONCAKE_LOADS = (0.05, 0.1, 0.25, 1.0, 4.0)
 MOONCAKE_LIMIT = 1000
 MOONCAKE_MODEL_MAX_LEN = 131072
+#: the cell-name prefix of benchmarks/shape_traces.py's traces
+SHAPE_PREFIX = "shape-"
 
 
-def cells(mooncake: bool = False) -> list[tuple[str, str, float]]:
+def cells(mooncake: bool = False, shapes: bool = False) -> list[tuple[str, str, float]]:
     """Every cell of the table, as (trace, profile, load), in the table's order (``mooncake``:
-    and the real Mooncake traces' cells after them)."""
+    and the real Mooncake traces' cells after them; ``shapes``: and then the trace shapes')."""
     out = [(t, "tiny", x) for t in ("azure", *SYNTHETIC) for x in TINY_LOADS]
     out += [("azure", "A100", x) for x in A100_LOADS] + [("builtin", "A100", 1.0)]
     out += [(t, "A100", x) for t in SYNTHETIC for x in A100_LOADS]
     if mooncake:
         out += [(t, "A100", x) for t in MOONCAKE for x in MOONCAKE_LOADS]
+    if shapes:
+        for name in _shape_traces().SHAPES:
+            out += [(SHAPE_PREFIX + name, "tiny", x) for x in TINY_LOADS]
+            out += [(SHAPE_PREFIX + name, "A100", x) for x in A100_LOADS]
     return out
 
 
@@ -69,12 +78,18 @@ def cell_name(cell: tuple[str, str, float]) -> str:
 
 def simulate_argv(
     cell: tuple[str, str, float], traces: Path, azure: Path, seed: int, limit: int | None,
-    mooncake: Path | None = None,
+    mooncake: Path | None = None, shapes: Path | None = None,
 ) -> list[str]:
     """The ``kvbudget simulate`` arguments of ``cell``."""
     trace, profile, load = cell
     argv = ["simulate"]
-    if trace in MOONCAKE:
+    if trace.startswith(SHAPE_PREFIX):
+        if shapes is None:
+            raise ValueError(f"cell {cell_name(cell)} needs the trace shapes' directory")
+        argv += ["--trace", str(shapes / f"{trace.removeprefix(SHAPE_PREFIX)}.csv")]
+        if limit is not None:
+            argv += ["--limit", str(limit)]
+    elif trace in MOONCAKE:
         if mooncake is None:
             raise ValueError(f"cell {cell_name(cell)} needs the Mooncake traces' directory")
         argv += ["--trace", str(mooncake / MOONCAKE[trace]),
@@ -124,6 +139,19 @@ def verdicts(table: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str,
     return out
 
 
+def _shape_traces() -> Any:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import shape_traces
+
+    return shape_traces
+
+
+def _ensure_shapes(shapes: Path) -> None:
+    module = _shape_traces()
+    if not all((shapes / f"{name}.csv").exists() for name in module.SHAPES):
+        module.write(shapes)
+
+
 def _ensure_traces(traces: Path) -> None:
     if all((traces / f).exists() for f in SYNTHETIC.values()):
         return
@@ -147,6 +175,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--mooncake", type=Path, default=None, metavar="DIR",
                    help="the real Mooncake traces' directory (FAST25-release/traces): "
                         "adds their cells")
+    p.add_argument("--shapes", type=Path, default=None, metavar="DIR",
+                   help="adds the cells of benchmarks/shape_traces.py's eleven trace shapes, "
+                        "written to DIR when absent there")
     p.add_argument("--policy", action="append", default=None,
                    help="repeatable (default: calibrated)")
     p.add_argument("--cell", action="append", default=None, metavar="SUBSTRING")
@@ -164,19 +195,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error(f"--mooncake {ns.mooncake}: none of {', '.join(MOONCAKE.values())} there")
     policies = list(dict.fromkeys(ns.policy or ["calibrated"]))
     chosen = [
-        c for c in cells(ns.mooncake is not None)
+        c for c in cells(ns.mooncake is not None, ns.shapes is not None)
         if (not ns.cell or any(s in cell_name(c) for s in ns.cell))
         and (c[0] != "azure" or ns.azure.exists())
         and (c[0] not in MOONCAKE or (ns.mooncake / MOONCAKE[c[0]]).exists())
     ]
     if any(c[0] in SYNTHETIC for c in chosen):
         _ensure_traces(ns.traces)
+    if ns.shapes is not None and any(c[0].startswith(SHAPE_PREFIX) for c in chosen):
+        _ensure_shapes(ns.shapes)
     jobs = [(c, pol) for c in chosen for pol in policies]
     with ProcessPoolExecutor(ns.jobs) as pool:
         futures = [
             pool.submit(
                 run_cell,
-                simulate_argv(c, ns.traces, ns.azure, ns.seed, ns.limit, ns.mooncake)
+                simulate_argv(c, ns.traces, ns.azure, ns.seed, ns.limit, ns.mooncake, ns.shapes)
                 + ns.simulate_arg,
                 pol,
             )

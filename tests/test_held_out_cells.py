@@ -105,3 +105,24 @@ def test_another_scenario_overlay_reaches_every_cell(tmp_path: pathlib.Path) -> 
     assert batch["cells"]["code/tiny/4"]["calibrated"]["stalls"] == 0
     with pytest.raises(SystemExit):  # an argument kvbudget simulate refuses
         hc.main([*common, "--simulate-arg=--interactive-share=2"])
+
+
+def test_the_trace_shapes_add_66_cells_on_their_own_files(tmp_path: pathlib.Path) -> None:
+    plain = [hc.cell_name(c) for c in hc.cells()]
+    names = [hc.cell_name(c) for c in hc.cells(shapes=True)]
+    assert names[:37] == plain and len(names) == len(set(names)) == 37 + 66
+    assert names[37:43] == [f"shape-pareto/{p}/{x}" for p, x in (
+        ("tiny", "0.6"), ("tiny", "1"), ("tiny", "2"), ("tiny", "4"), ("A100", "1"), ("A100", "4")
+    )]
+    argv = hc.simulate_argv(("shape-bimodal-l1", "tiny", 2.0), tmp_path, tmp_path, 1, None,
+                            None, tmp_path / "shapes")
+    assert argv == ["simulate", "--trace", str(tmp_path / "shapes" / "bimodal-l1.csv"),
+                    "--rate-scale", "2", "--seed", "1", "--engine-profile", "vllm-cpu-tiny"]
+    with pytest.raises(ValueError, match="shapes"):
+        hc.simulate_argv(("shape-mice", "A100", 1.0), tmp_path, tmp_path, 0, None)
+    # written where absent, then read: one short cell end to end
+    out = hc.main(["--shapes", str(tmp_path / "shapes"), "--cell", "shape-mice/A100/4",
+                   "--limit", "100", "--jobs", "1", "--traces", str(tmp_path / "traces")])
+    assert set(out["cells"]) == {"shape-mice/A100/4"}
+    assert 0 < out["cells"]["shape-mice/A100/4"]["calibrated"]["good"] <= 100
+    assert not (tmp_path / "traces").exists()  # no synthetic trace was wanted
