@@ -21,24 +21,17 @@ shape on other seeds: 75 % of answers 1-23 tokens, 25 % 1,200-3,000, 3 req/s).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from synthetic_traces import write_azure_csv
+
 N = 3000
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # arrival s, prompt tokens, answer tokens
-
-
-def write_csv(path: Path, ts: np.ndarray, prompt: np.ndarray, out: np.ndarray) -> None:
-    """An Azure-format trace; every count at least 1."""
-    t0 = dt.datetime(2024, 1, 1)
-    with path.open("w") as f:
-        f.write("TIMESTAMP,ContextTokens,GeneratedTokens\n")
-        for t, p, o in zip(ts, prompt, out, strict=True):
-            stamp = (t0 + dt.timedelta(seconds=float(t))).strftime("%Y-%m-%d %H:%M:%S.%f")
-            f.write(f"{stamp}0,{max(1, int(p))},{max(1, int(o))}\n")
 
 
 def _first_five(rng: np.random.Generator) -> dict[str, Arrays]:
@@ -113,7 +106,7 @@ def write(out_dir: Path) -> list[Path]:
     paths = []
     for name, draw in shapes().items():
         path = out_dir / f"{name}.csv"
-        write_csv(path, *draw())
+        write_azure_csv(path, *draw())
         paths.append(path)
     return paths
 

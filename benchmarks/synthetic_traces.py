@@ -24,7 +24,10 @@ import numpy as np
 from kvbudget.sim.prefix import MOONCAKE_HASH_BLOCK_TOKENS
 
 
-def _write(path: Path, ts: Iterable[float], prompt: Iterable[float], out: Iterable[float]) -> None:
+def write_azure_csv(
+    path: Path, ts: Iterable[float], prompt: Iterable[float], out: Iterable[float]
+) -> None:
+    """A trace in the Azure CSV format: arrival seconds, prompt and answer tokens per request."""
     t0 = dt.datetime(2024, 1, 1)
     with path.open("w") as f:
         f.write("TIMESTAMP,ContextTokens,GeneratedTokens\n")
@@ -47,12 +50,12 @@ def main() -> None:
         rng.integers(200, 600, n),
         np.clip(rng.lognormal(np.log(15), 0.9, n), 1, 200),
     )
-    _write(out_dir / "code.csv", ts, p, o)
+    write_azure_csv(out_dir / "code.csv", ts, p, o)
     n = 3_600
     ts = np.cumsum(rng.exponential(1.0, n))
     p = np.clip(rng.lognormal(np.log(300), 0.7, n), 10, 4000)
     o = np.clip(rng.lognormal(np.log(600), 1.0, n), 5, 4000)
-    _write(out_dir / "reason.csv", ts, p, o)
+    write_azure_csv(out_dir / "reason.csv", ts, p, o)
     n = 12_000
     ts = np.cumsum(rng.gamma(1 / 9, 9 / 4.0, n))
     p = np.clip(rng.lognormal(np.log(800), 0.8, n), 10, 6000)
@@ -61,7 +64,7 @@ def main() -> None:
         np.clip(rng.lognormal(np.log(40), 0.5, n), 1, 300),
         np.clip(rng.lognormal(np.log(800), 0.4, n), 100, 2000),
     )
-    _write(out_dir / "bursty.csv", ts, p, o)
+    write_azure_csv(out_dir / "bursty.csv", ts, p, o)
     n = 4_300
     ts = np.cumsum(rng.exponential(1 / 1.2, n))
     p = np.clip(rng.lognormal(np.log(8000), 0.7, n), 500, 30_000)
