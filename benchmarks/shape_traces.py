@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -75,38 +74,31 @@ def _bimodal_long_tail(k: int) -> Arrays:
     return ts, prompt, out
 
 
-def shapes() -> dict[str, Callable[[], Arrays]]:
-    """Each shape's name and how to draw it (each draw is seeded: the same arrays every time)."""
-    first: dict[str, Arrays] = {}
-
-    def of_first(name: str) -> Callable[[], Arrays]:
-        def draw() -> Arrays:
-            if not first:
-                first.update(_first_five(np.random.default_rng(31)))
-            return first[name]
-        return draw
-
-    out: dict[str, Callable[[], Arrays]] = {
-        name: of_first(name) for name in ("pareto", "rag", "onoff", "longall", "mice")
-    }
+def draw_shapes() -> dict[str, Arrays]:
+    """Every shape's arrays, by name, in :data:`SHAPES`' order (each seeded: the same every
+    time)."""
+    out = _first_five(np.random.default_rng(31))
     for k, (share, rate) in enumerate(((0.5, 4.0), (0.3, 5.0), (0.7, 3.0), (0.5, 6.0))):
-        out[f"bimodal{k}"] = lambda k=k, share=share, rate=rate: _bimodal(k, share, rate)
+        out[f"bimodal{k}"] = _bimodal(k, share, rate)
     for k in range(2):
-        out[f"bimodal-l{k}"] = lambda k=k: _bimodal_long_tail(k)
+        out[f"bimodal-l{k}"] = _bimodal_long_tail(k)
     return out
 
 
 #: the shapes' names, in the order written
-SHAPES = tuple(shapes())
+SHAPES = (
+    "pareto", "rag", "onoff", "longall", "mice", "bimodal0", "bimodal1", "bimodal2", "bimodal3",
+    "bimodal-l0", "bimodal-l1",
+)
 
 
 def write(out_dir: Path) -> list[Path]:
     """Write every shape to ``out_dir/NAME.csv``; returns the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, draw in shapes().items():
+    for name, arrays in draw_shapes().items():
         path = out_dir / f"{name}.csv"
-        write_azure_csv(path, *draw())
+        write_azure_csv(path, *arrays)
         paths.append(path)
     return paths
 
