@@ -33,6 +33,7 @@ JSON object, ``{"cells": {NAME: {POLICY: {...}}}}``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -139,11 +140,16 @@ def verdicts(table: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str,
     return out
 
 
-def _shape_traces() -> Any:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import shape_traces
+def _sibling(name: str) -> Any:
+    """Another script of benchmarks/, imported as a module."""
+    here = str(ROOT / "benchmarks")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module(name)
 
-    return shape_traces
+
+def _shape_traces() -> Any:
+    return _sibling("shape_traces")
 
 
 def _ensure_shapes(shapes: Path) -> None:
@@ -153,16 +159,8 @@ def _ensure_shapes(shapes: Path) -> None:
 
 
 def _ensure_traces(traces: Path) -> None:
-    if all((traces / f).exists() for f in SYNTHETIC.values()):
-        return
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import synthetic_traces
-
-    argv, sys.argv = sys.argv, ["synthetic_traces.py", str(traces)]
-    try:
-        synthetic_traces.main()
-    finally:
-        sys.argv = argv
+    if not all((traces / f).exists() for f in SYNTHETIC.values()):
+        _sibling("synthetic_traces").main([str(traces)])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

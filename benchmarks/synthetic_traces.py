@@ -36,10 +36,10 @@ def write_azure_csv(
             f.write(f"{stamp}0,{int(p)},{int(o)}\n")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", type=Path)
-    out_dir = ap.parse_args().out_dir
+    out_dir = ap.parse_args(argv).out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(7)
     n = 21_600
