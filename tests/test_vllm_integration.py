@@ -500,17 +500,17 @@ def test_greedy_text_survives_checkpoints_of_a_measured_engine(
 ) -> None:
     """Measured at start-up (the probes), the calibrated policy grants as vLLM does and
     checkpoints the newest stream when the cache runs out, and with its first-token pauses on
-    (off by default) pauses streams for due first tokens too: every request still gets exactly
-    the bare engine's greedy tokens and text."""
+    (off by default) pauses streams for due first tokens too: every request served still gets
+    exactly the bare engine's greedy tokens and text."""
     import attrs
 
     from kvbudget.core.model import BATCH, INTERACTIVE
     from kvbudget.core.policy import CalibratedPolicy
 
-    # the default policy on the default classes, but without the first-token pauses the
-    # interactive objective turns no one away: every caller is compared (a slow CI machine once
-    # forecast the tenth caller past its 2 s objective and turned it away); with the pauses,
-    # which serve that objective, it stays, and a caller turned away is not compared
+    # without the pauses, the interactive class has no first-token objective and no queue
+    # bound, so no caller can be turned away and all ten are compared (a slow CI machine once
+    # forecast the tenth past its 2 s objective and turned it away); the pauses exist to serve
+    # that objective, so with them the default classes stay and a turned-away caller is counted
     classes = None if pause_share else [
         attrs.evolve(INTERACTIVE, ttft_slo_s=None, max_queue_delay_s=None), BATCH
     ]
