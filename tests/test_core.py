@@ -786,6 +786,7 @@ def test_latency_floor_counts_the_prefill_an_admission_brings(
     assert bool(of(out, ev.Admit, "b")) is admitted
     if not admitted:  # it waits, and comes in once the stream it would have slowed is gone
         assert s.requests["b"].state is State.QUEUED
+        assert s.requests["b"].held_by == "latency-floor"
         s.charge("a", 100, 0.1)
         out = s.finish("a", "length", 0.1) + s.confirm_release("a", 0.1)
         assert of(out, ev.Admit, "b")
@@ -1320,6 +1321,38 @@ def test_queue_timeout_rejects_via_tick() -> None:
     assert "w" not in s.requests and s.requests["hog"].blocks == 4
 
 
+def test_callers_turned_away_after_queueing_are_counted_by_what_held_them() -> None:
+    """``Snapshot.turned_away_held_by``: the head held for room counts as "no-room", a caller
+    never judged as head (behind it) as "behind", one the batch cap held as "batch-cap"; a
+    caller refused at arrival is not counted there, and the JSON snapshot carries the map."""
+    from kvbudget.core.stats import HELD_BY
+    from kvbudget.observability import snapshot_to_dict
+
+    s = Scheduler(Capacity(4, 4), policy=ReserveMaxFront())
+    s.arrive("hog", spec(prompt=4, max_tokens=12, cls="interactive"), 0.0)
+    s.arrive("head", spec(prompt=4, max_tokens=12, cls="interactive"), 0.0)
+    s.arrive("next", spec(prompt=4, max_tokens=12, cls="interactive"), 0.1)
+    assert s.requests["head"].held_by == "no-room" and s.requests["next"].held_by is None
+    assert len(of(s.tick(2.5), ev.Reject)) == 2  # both at their 2 s queue bound
+    snap = s.snapshot()
+    assert snap.turned_away_held_by == {"no-room": 1, "behind": 1}
+    assert snap.rejections_by_reason == {"queue-timeout": 2}
+    assert snapshot_to_dict(snap)["turned_away_held_by"] == {"behind": 1, "no-room": 1}
+    assert set(snap.turned_away_held_by) <= set(HELD_BY)
+    # too large for the engine: refused at arrival, never queued, not counted here
+    assert of(s.arrive("huge", spec(prompt=40, max_tokens=12, cls="interactive"), 3.0),
+              ev.Reject)
+    assert s.snapshot().turned_away_held_by == {"no-room": 1, "behind": 1}
+
+    capped = Scheduler(Capacity(64, 4), policy=ReserveMaxFront(),
+                       config=SchedulerConfig(max_active=1))
+    capped.arrive("one", spec(prompt=4, max_tokens=12, cls="interactive"), 0.0)
+    capped.arrive("two", spec(prompt=4, max_tokens=12, cls="interactive"), 0.0)
+    assert capped.requests["two"].held_by == "batch-cap"
+    assert of(capped.tick(2.5), ev.Reject, "two")
+    assert capped.snapshot().turned_away_held_by == {"batch-cap": 1}
+
+
 def test_queued_caller_turned_away_once_a_first_token_in_time_is_impossible() -> None:
     """Under a first-token objective, a queued caller is turned away at the objective less its
     predicted prefill (admitted later, it would miss anyway), not at its longer queue bound; a
@@ -1443,6 +1476,7 @@ def test_caller_turned_away_when_its_first_token_would_come_late_behind_queued_p
     out = s.arrive("b", spec(prompt=1000, max_tokens=10, cls="interactive"), 0.0)  # 2.01 s
     rej = of(out, ev.Reject, "b")
     assert rej and rej[0].reason == "first-token-late" and "b" not in s.requests
+    assert s.snapshot().turned_away_held_by == {"prefill-queue": 1}
     assert of(s.arrive("c", spec(prompt=500, max_tokens=10, cls="interactive"), 0.0), ev.Admit)
     assert s.prefill_backlog == 1500
     s.charge("a", 1, 1.0)

@@ -16,6 +16,7 @@ import structlog
 import kvbudget
 from _kvb_helpers import quiet_structlog  # noqa: F401 (autouse fixture)
 from kvbudget import Capacity, RequestSpec, Scheduler
+from kvbudget.core.events import Admit
 from kvbudget.engines.sim import SimEngine
 from kvbudget.observability import (
     COUNTERS,
@@ -91,6 +92,19 @@ def test_scheduler_scrape_has_every_name_and_the_right_values() -> None:
     assert got[("kvbudget_completed_total", zeta)] == 1
     assert got[("kvbudget_reserved_blocks", ())] == 0
     assert got[("kvbudget_releasing_requests", ())] == 0
+
+
+def test_turned_away_callers_are_scraped_by_what_held_them() -> None:
+    sched = Scheduler(Capacity(blocks=8, block_size=16))
+    registry = prometheus_client.CollectorRegistry()
+    PrometheusExporter(sched.snapshot, registry=registry)
+    hog = RequestSpec(prompt_tokens=100, max_tokens=20, model_max_len=4096)
+    assert isinstance(sched.arrive("hog", hog, 0.0)[0], Admit)  # 8 blocks: the whole cache
+    assert sched.arrive("late", _spec(), 0.0) == []
+    sched.tick(5.0)  # past the interactive class's 2 s queue bound
+    got = _samples(registry)
+    assert got[("kvbudget_turned_away_held_by_total", (("cause", "no-room"),))] == 1
+    assert got[("kvbudget_rejections_by_reason_total", (("reason", "queue-timeout"),))] == 1
 
 
 async def _drive_budget(registry: Any) -> kvbudget.Budget:
@@ -304,6 +318,7 @@ _EMBEDDED = """
 import asyncio, logging, sys
 import structlog
 import kvbudget
+from kvbudget.core.events import Admit
 from kvbudget.engines.sim import SimEngine
 if sys.argv[1] == "debug":
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))

@@ -431,6 +431,7 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
     out: dict[str, Any] = {name: getattr(snapshot, name) for name in SNAPSHOT_SCALARS}
     out["stranded_blocks"] = snapshot.stranded_blocks
     out["rejections_by_reason"] = dict(sorted(snapshot.rejections_by_reason.items()))
+    out["turned_away_held_by"] = dict(sorted(snapshot.turned_away_held_by.items()))
     out["totals"] = _counters(snapshot.totals)
     out["by_class"] = {k: _counters(v) for k, v in sorted(snapshot.by_class.items())}
     out["by_tenant"] = {k: _counters(v) for k, v in sorted(snapshot.by_tenant.items())}
@@ -749,6 +750,17 @@ class PrometheusExporter:
         yield fam
 
         fam = counter(
+            PREFIX + "turned_away_held_by",
+            "Callers turned away after they queued, by what last kept each from admission "
+            "(no-room, policy, latency-floor, batch-cap, prefill-queue, behind).",
+            labels=[*const_names, "cause"],
+        )
+        if snap is not None:
+            for cause, n in sorted(snap.turned_away_held_by.items()):
+                fam.add_metric([*const_values, cause], float(n))
+        yield fam
+
+        fam = counter(
             PREFIX + "engine_preemptions",
             "The engine's own preemptions (vLLM: by recompute; 0 under the budget). No sample "
             "where the engine does not report them.",
@@ -808,7 +820,8 @@ def metric_names() -> list[str]:
     """Every metric name the exporter exposes (counters with their ``_total`` suffix)."""
     names = [PREFIX + "info", *(PREFIX + n for n in GAUGES)]
     names += [PREFIX + n + "_total" for n in COUNTERS]
-    names += [PREFIX + "rejections_by_reason_total", PREFIX + "engine_preemptions_total"]
+    names += [PREFIX + "rejections_by_reason_total", PREFIX + "turned_away_held_by_total"]
+    names += [PREFIX + "engine_preemptions_total"]
     names += [PREFIX + n + "_total" for n in SHELL_COUNTERS]
     names += [PREFIX + "folded_names_total"]
     names += [PREFIX + n for n in UNDERESTIMATION]

@@ -168,6 +168,7 @@ class Request:
         "gave_way",
         "generated",
         "hard_max",
+        "held_by",
         "key",
         "last_token_at",
         "latency_floor",
@@ -240,6 +241,9 @@ class Request:
         self.reserved_until: float | None = None
         #: paused for another caller's first token: requeued behind the callers then queued
         self.gave_way = False
+        #: what last kept it from admission as a queue head (None: never judged as one): the
+        #: cause counted if it is turned away (``Scheduler.turned_away_held_by``)
+        self.held_by: str | None = None
         #: streams were paused for this caller's first token (it is not turned away as late)
         self.paused_for = False
         self.release_started_at: float | None = None

@@ -190,6 +190,9 @@ class Scheduler:
         self.counters: dict[tuple[str, str], Counters] = {}
         #: rejections by reason ("deadline", "queue-timeout", "first-token-late", "too-large", ...)
         self.rejections_by_reason: dict[str, int] = {}
+        #: callers turned away after they queued, by what last kept each from admission
+        #: (:data:`~kvbudget.core.stats.HELD_BY`)
+        self.turned_away_held_by: dict[str, int] = {}
         self.policy.bind(self)
         self._refresh_headroom()
 
@@ -717,6 +720,8 @@ class Scheduler:
         lifecycle.transition(req, Trigger.REJECT)
         lifecycle.settle(req, Outcome.REJECTED)
         self._count_rejection(reason)
+        held = req.held_by or "behind"
+        self.turned_away_held_by[held] = self.turned_away_held_by.get(held, 0) + 1
         self.requests.pop(req.request_id, None)
         self._remember(req.request_id)
         return ev.Reject(req.request_id, self.forecast.retry_after(req), reason)
@@ -1193,6 +1198,7 @@ class Scheduler:
             while queue.count:
                 req = self._head(queue)
                 if cap is not None and self.active >= cap:
+                    req.held_by = "batch-cap"
                     return
                 allowance = self._allowance(req)
                 boundary = req.generated + allowance
@@ -1212,6 +1218,7 @@ class Scheduler:
                     # behind the prefill already queued in the engine its first token would be
                     # late: a fast "overloaded" now, and its prefill is not taken from callers
                     # who can still be served in time
+                    req.held_by = "prefill-queue"
                     actions.append(self._turn_away(req, "first-token-late"))
                     continue
                 ahead = self._lookahead(req)  # (asked first: an answer refused changes nothing)
@@ -1344,7 +1351,9 @@ class Scheduler:
         runs or is being released; the latency floor of active streams). A protected head of a
         policy that preempts for admission that does not fit may instead take the headroom
         beyond its protected part, or checkpoint batch work for it
-        (:meth:`_protected_head_room`).
+        (:meth:`_protected_head_room`). Refused, the head records what held it
+        (``req.held_by``, :data:`~kvbudget.core.stats.HELD_BY`): the latency floor, else the
+        policy's gate, else room.
         """
         idle = self._idle
         # (the headroom is kept for the extensions of grants in flight: with none, a head that
@@ -1352,14 +1361,20 @@ class Scheduler:
         fits = self.ledger.fits_admission(blocks) or (idle and blocks <= self.ledger.free)
         protected_head = req.cls.protected and self.policy.preempt_for_admission
         if not (fits or protected_head):
+            req.held_by = "no-room"
             return False
         policy_admits, within_floor = self._gates(req, blocks, allowance, idle)
         gates = policy_admits and within_floor
         if fits and gates:
             return True
-        return protected_head and self._protected_head_room(
+        if protected_head and self._protected_head_room(
             req, blocks, policy_admits, within_floor, now, actions
+        ):
+            return True
+        req.held_by = (
+            "latency-floor" if not within_floor else "policy" if not policy_admits else "no-room"
         )
+        return False
 
     def _protected_head_room(
         self,
@@ -1684,6 +1699,7 @@ class Scheduler:
             drift_blocks=self.drift,
             shared_prefix_blocks=len(led.shared),
             rejections_by_reason=dict(self.rejections_by_reason),
+            turned_away_held_by=dict(self.turned_away_held_by),
             wait_in_time_share=self.forecast.in_time_share(),
             wait_forecast_samples=self.forecast.wait_outcome_samples,
             policy_faults=self.policy_faults,

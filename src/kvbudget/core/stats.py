@@ -16,6 +16,21 @@ import attrs
 if TYPE_CHECKING:
     from kvbudget.core.lengths import UnderestimationReport
 
+#: what last kept a queued caller from admission, for the callers turned away after they queued
+#: (``Snapshot.turned_away_held_by``): why a server says "overloaded" to them
+HELD_BY: Mapping[str, str] = {
+    "no-room": "its grant fitted neither the admission budget nor, for a protected caller, the "
+    "headroom it may take: the cache was held by the streams running",
+    "policy": "the policy's own gate (e.g. headroom kept for the running streams' growth while "
+    "releases were due in time, or first tokens crowded by the prefill queued)",
+    "latency-floor": "admitting it would have pushed running streams past their latency floor",
+    "batch-cap": "the engine's batch was full (SchedulerConfig.max_active)",
+    "prefill-queue": "admissible, but behind the prefill queued in the engine its first token "
+    "would have been late",
+    "behind": "never judged as its queue's head: callers ahead of it, or of a class before "
+    "its own, waited",
+}
+
 COUNTER_FIELDS: tuple[str, ...] = (
     "arrived",
     "admitted",
@@ -156,6 +171,9 @@ class Snapshot:
     shared_prefix_blocks: int = 0
     #: rejections (overload, queue timeouts, too-large, deadline) by reason
     rejections_by_reason: Mapping[str, int] = attrs.field(factory=dict)
+    #: callers turned away after they queued (of ``rejections_by_reason``), by what last kept
+    #: each from admission (:data:`HELD_BY`)
+    turned_away_held_by: Mapping[str, int] = attrs.field(factory=dict)
     #: the engine's own preemptions, where the adapter can count them (vLLM: Σ
     #: ``num_preempted_reqs``; None: not known)
     engine_preemptions: int | None = None

@@ -1080,6 +1080,7 @@ class _Sim:
             wall_s=wall,
             peak_resident=self.peak_resident,
             rejections_by_reason=dict(sorted(snap.rejections_by_reason.items())),
+            turned_away_held_by=dict(sorted(snap.turned_away_held_by.items())),
             prefix_cached_tokens=self.prefix_cached_tokens,
             resume_cached_tokens=self.resume_cached_tokens,
             prefix_hit_rate=(

@@ -126,7 +126,9 @@ class PolicyResult:
     tokens (over the requests it fell short for), ``coverage``: share of requests it covered.
     ``itl_cdf``: (gap seconds, cumulative share) points; ``kv_series``: (t, reserved %, used %).
     ``peak_resident``: the most requests whose blocks the engine held at once.
-    ``rejections_by_reason``: the turned-away requests by the scheduler's reason.
+    ``rejections_by_reason``: the turned-away requests by the scheduler's reason;
+    ``turned_away_held_by``: those turned away after they queued, by what last kept each from
+    admission (:data:`kvbudget.core.stats.HELD_BY`).
     ``prefix_cached_tokens``: prompt tokens the engine found in its prefix cache at first
     admissions; ``prefix_hit_rate``: those over the prompt tokens of first admissions.
     ``resume_cached_tokens``: tokens requests admitted again after a preemption found cached.
@@ -171,6 +173,8 @@ class PolicyResult:
     peak_resident: int = 0
     #: turned-away requests by the scheduler's reason ("deadline", "queue-timeout", ...)
     rejections_by_reason: Mapping[str, int] = attrs.field(factory=dict)
+    #: callers turned away after they queued, by what last kept each from admission
+    turned_away_held_by: Mapping[str, int] = attrs.field(factory=dict)
     prefix_cached_tokens: int = 0
     prefix_hit_rate: float = 0.0
     resume_cached_tokens: int = 0
@@ -209,6 +213,7 @@ class PolicyResult:
             "wall_s",
             "peak_resident",
             "rejections_by_reason",
+            "turned_away_held_by",
             "resume_cached_tokens",
         ):
             d[k] = getattr(self, k)
