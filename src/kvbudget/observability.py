@@ -556,6 +556,17 @@ GAUGES: Final[Mapping[str, tuple[str, str]]] = {
     ),
 }
 
+#: counters of the whole budget keyed by one label: the ``Snapshot`` mapping of that name
+#: (without ``kvbudget_`` and ``_total``) -> (label, help)
+KEYED_COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
+    "rejections_by_reason": ("reason", "Rejections (HTTP 429 / RESOURCE_EXHAUSTED) by reason."),
+    "turned_away_held_by": (
+        "cause",
+        "Callers turned away after they queued, by what last kept each from admission "
+        "(no-room, policy, latency-floor, batch-cap, prefill-queue, behind).",
+    ),
+}
+
 #: counter name (without ``kvbudget_`` and ``_total``) -> (Counters field, help)
 COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     "arrived": ("arrived", "Requests that arrived."),
@@ -739,26 +750,13 @@ class PrometheusExporter:
                 fam.add_metric([*const_values, cls, tenant], float(getattr(values, attr)))
             yield fam
 
-        fam = counter(
-            PREFIX + "rejections_by_reason",
-            "Rejections (HTTP 429 / RESOURCE_EXHAUSTED) by reason.",
-            labels=[*const_names, "reason"],
-        )
-        if snap is not None:
-            for reason, n in sorted(snap.rejections_by_reason.items()):
-                fam.add_metric([*const_values, reason], float(n))
-        yield fam
-
-        fam = counter(
-            PREFIX + "turned_away_held_by",
-            "Callers turned away after they queued, by what last kept each from admission "
-            "(no-room, policy, latency-floor, batch-cap, prefill-queue, behind).",
-            labels=[*const_names, "cause"],
-        )
-        if snap is not None:
-            for cause, n in sorted(snap.turned_away_held_by.items()):
-                fam.add_metric([*const_values, cause], float(n))
-        yield fam
+        for name, (label, doc) in KEYED_COUNTERS.items():
+            fam = counter(PREFIX + name, doc, labels=[*const_names, label])
+            if snap is not None:
+                by_key: Mapping[str, int] = getattr(snap, name)
+                for key, n in sorted(by_key.items()):
+                    fam.add_metric([*const_values, key], float(n))
+            yield fam
 
         fam = counter(
             PREFIX + "engine_preemptions",
@@ -820,7 +818,7 @@ def metric_names() -> list[str]:
     """Every metric name the exporter exposes (counters with their ``_total`` suffix)."""
     names = [PREFIX + "info", *(PREFIX + n for n in GAUGES)]
     names += [PREFIX + n + "_total" for n in COUNTERS]
-    names += [PREFIX + "rejections_by_reason_total", PREFIX + "turned_away_held_by_total"]
+    names += [PREFIX + n + "_total" for n in KEYED_COUNTERS]
     names += [PREFIX + "engine_preemptions_total"]
     names += [PREFIX + n + "_total" for n in SHELL_COUNTERS]
     names += [PREFIX + "folded_names_total"]
