@@ -142,13 +142,16 @@ machines, not two servers.
 Preemptions: ``/metrics`` is scraped before and after each workload (after the idle wait):
 ``vllm:num_preemptions_total`` (vLLM), ``kvbudget_engine_preemptions_total`` (the example, once it
 exports it; ``null`` otherwise; the budget's own ``kvbudget_preemptions_total`` is reported as
-``budget_preemptions``). Wasted decoded tokens (abandon): vLLM: the ``vllm:generation_tokens_total``
-delta minus the tokens delivered to the clients that stayed; the example: the same with
-``kvbudget_tokens_total``, and beside it the budget's own figure (``server_wasted_tokens``:
-``kvbudget_wasted_decoded_tokens_total``; ``snapshot_wasted_tokens``: ``totals.wasted_tokens`` of
-``/kvbudget/snapshot``); without a server figure: the tokens delivered to the clients that left,
-a lower bound. On 2 cores a stream often reaches the client in bursts, so a client that means to
-leave after k tokens may find the whole stream already there (``left_after_finish``).
+``budget_preemptions``). Why a budgeted server turned callers away after they queued: the
+``turned_away_held_by`` delta of ``/kvbudget/snapshot`` over the run, by cause (the causes seen;
+``kvbudget.core.stats.HELD_BY``), in each of its summaries. Wasted decoded tokens (abandon): vLLM:
+the ``vllm:generation_tokens_total`` delta minus the tokens delivered to the clients that stayed;
+the example: the same with ``kvbudget_tokens_total``, and beside it the budget's own figure
+(``server_wasted_tokens``: ``kvbudget_wasted_decoded_tokens_total``; ``snapshot_wasted_tokens``:
+``totals.wasted_tokens`` of ``/kvbudget/snapshot``); without a server figure: the tokens delivered
+to the clients that left, a lower bound. On 2 cores a stream often reaches the client in bursts, so
+a client that means to leave after k tokens may find the whole stream already there
+(``left_after_finish``).
 
 Output: a progress line per run, then a table (one line per workload x server x run), and as
 the LAST line one JSON object ``{"workloads": {NAME: {SERVER: {"sent", "good", "late",
@@ -198,6 +201,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
+from kvbudget.core.stats import HELD_BY  # noqa: E402
 from kvbudget.engines.tiny_model import CPU_VLLM_ENV, set_autogroup_nice  # noqa: E402
 
 # -- settings ---------------------------------------------------------------------------------
@@ -705,8 +709,14 @@ class ServerProcess:
         m = self.metrics()
         snap = self.snapshot()
         totals = (snap or {}).get("totals") or {}
+        held = (snap or {}).get("turned_away_held_by")
+        held = held if isinstance(held, dict) else None
         preempt = m.get("vllm:num_preemptions_total", m.get("kvbudget_engine_preemptions_total"))
         return {
+            **{
+                HELD_PREFIX + cause: None if held is None else _num(held.get(cause, 0))
+                for cause in HELD_BY
+            },
             "engine_preemptions": preempt,
             "generation_tokens": m.get("vllm:generation_tokens_total"),
             "budget_preemptions": m.get("kvbudget_preemptions_total"),
@@ -783,6 +793,20 @@ class ServerProcess:
 
 def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) else None
+
+
+#: the counters' keys of the budget's turned-away callers, one per cause (``HELD_BY``)
+HELD_PREFIX = "turned_away_held_by:"
+
+
+def turned_away_held_by(counters: Mapping[str, float | None]) -> dict[str, int] | None:
+    """A run's callers turned away after they queued, by what last held each (the budget's
+    snapshot, ``kvbudget.core.stats.HELD_BY``; the causes seen only); None for a server
+    without a budget."""
+    got = {k[len(HELD_PREFIX):]: v for k, v in counters.items() if k.startswith(HELD_PREFIX)}
+    if not got or all(v is None for v in got.values()):
+        return None
+    return {cause: int(v) for cause, v in sorted(got.items()) if v}
 
 
 def _delta(after: float | None, before: float | None) -> float | None:
@@ -1812,6 +1836,9 @@ def finish_runs(runs: list[Run]) -> None:
         )
         if run.counters.get("budget_preemptions") is not None:
             s["budget_preemptions"] = _int(run.counters["budget_preemptions"])
+        held = turned_away_held_by(run.counters)
+        if held is not None:
+            s["turned_away_held_by"] = held
         if run.workload == "burst":
             s.setdefault("mismatches", None)
             s.update(run.extra)

@@ -538,3 +538,22 @@ def test_a_run_on_a_slower_machine_than_its_reference_is_noted() -> None:
     assert "machine=x3.10_vs_vllm" in sb.table_line(slow)
     assert same.summary["machine_vs_reference"] == 1.1
     assert "machine=" not in sb.table_line(same)
+
+
+def test_turned_away_callers_by_cause_are_the_run_s_snapshot_delta() -> None:
+    """A budgeted server's summary carries the callers it turned away after they queued, by
+    cause: the delta of its snapshot's ``turned_away_held_by`` over the run (causes seen only);
+    vLLM's server (no snapshot) has none."""
+    from kvbudget.core.stats import HELD_BY
+
+    def counters(held: dict[str, int] | None) -> dict[str, float | None]:
+        return {
+            sb.HELD_PREFIX + c: None if held is None else float(held.get(c, 0)) for c in HELD_BY
+        }
+
+    before, after = counters({"no-room": 2}), counters({"no-room": 5, "behind": 1})
+    delta = {k: sb._delta(after[k], before[k]) for k in after}
+    assert sb.turned_away_held_by(delta) == {"behind": 1, "no-room": 3}
+    assert sb.turned_away_held_by({k: sb._delta(v, v) for k, v in after.items()}) == {}
+    assert sb.turned_away_held_by(counters(None)) is None
+    assert sb.turned_away_held_by({"engine_preemptions": 3.0}) is None
