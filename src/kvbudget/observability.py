@@ -430,8 +430,8 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
     """The snapshot as JSON-able data (``by_class_tenant`` becomes a list of rows)."""
     out: dict[str, Any] = {name: getattr(snapshot, name) for name in SNAPSHOT_SCALARS}
     out["stranded_blocks"] = snapshot.stranded_blocks
-    out["rejections_by_reason"] = dict(sorted(snapshot.rejections_by_reason.items()))
-    out["turned_away_held_by"] = dict(sorted(snapshot.turned_away_held_by.items()))
+    for name in KEYED_COUNTERS:
+        out[name] = dict(sorted(getattr(snapshot, name).items()))
     out["totals"] = _counters(snapshot.totals)
     out["by_class"] = {k: _counters(v) for k, v in sorted(snapshot.by_class.items())}
     out["by_tenant"] = {k: _counters(v) for k, v in sorted(snapshot.by_tenant.items())}
