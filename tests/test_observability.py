@@ -318,7 +318,6 @@ _EMBEDDED = """
 import asyncio, logging, sys
 import structlog
 import kvbudget
-from kvbudget.core.events import Admit
 from kvbudget.engines.sim import SimEngine
 if sys.argv[1] == "debug":
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
