@@ -144,7 +144,9 @@ Preemptions: ``/metrics`` is scraped before and after each workload (after the i
 exports it; ``null`` otherwise; the budget's own ``kvbudget_preemptions_total`` is reported as
 ``budget_preemptions``). Why a budgeted server turned callers away after they queued: the
 ``turned_away_held_by`` delta of ``/kvbudget/snapshot`` over the run, by cause (the causes seen;
-``kvbudget.core.stats.HELD_BY``), in each of its summaries. Wasted decoded tokens (abandon): vLLM:
+``kvbudget.core.stats.HELD_BY``; a caller never its queue's head by what held the head it
+waited behind), and ``turned_away_behind``, how many of them were never their queue's head, in
+each of its summaries. Wasted decoded tokens (abandon): vLLM:
 the ``vllm:generation_tokens_total`` delta minus the tokens delivered to the clients that stayed;
 the example: the same with ``kvbudget_tokens_total``, and beside it the budget's own figure
 (``server_wasted_tokens``: ``kvbudget_wasted_decoded_tokens_total``; ``snapshot_wasted_tokens``:
@@ -718,6 +720,7 @@ class ServerProcess:
                 for cause in HELD_BY
             },
             "engine_preemptions": preempt,
+            "turned_away_behind": _num((snap or {}).get("turned_away_behind")),
             "generation_tokens": m.get("vllm:generation_tokens_total"),
             "budget_preemptions": m.get("kvbudget_preemptions_total"),
             "budget_tokens": m.get("kvbudget_tokens_total"),
@@ -1839,6 +1842,7 @@ def finish_runs(runs: list[Run]) -> None:
         held = turned_away_held_by(run.counters)
         if held is not None:
             s["turned_away_held_by"] = held
+            s["turned_away_behind"] = _int(run.counters.get("turned_away_behind") or 0)
         if run.workload == "burst":
             s.setdefault("mismatches", None)
             s.update(run.extra)

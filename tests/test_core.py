@@ -1323,8 +1323,13 @@ def test_queue_timeout_rejects_via_tick() -> None:
 
 def test_callers_turned_away_after_queueing_are_counted_by_what_held_them() -> None:
     """``Snapshot.turned_away_held_by``: the head held for room counts as "no-room", a caller
-    never judged as head (behind it) as "behind", one the batch cap held as "batch-cap"; a
-    caller refused at arrival is not counted there, and the JSON snapshot carries the map."""
+    never judged as head (behind it) by what held that head, and ``turned_away_behind`` counts
+    it; one the batch cap held as "batch-cap"; a caller of a class after the held head's waits
+    behind it too; a caller refused at arrival is not counted there, and the JSON snapshot
+    carries both."""
+    import attrs
+
+    from kvbudget.core.model import BATCH, INTERACTIVE
     from kvbudget.core.stats import HELD_BY
     from kvbudget.observability import snapshot_to_dict
 
@@ -1335,22 +1340,39 @@ def test_callers_turned_away_after_queueing_are_counted_by_what_held_them() -> N
     assert s.requests["head"].held_by == "no-room" and s.requests["next"].held_by is None
     assert len(of(s.tick(2.5), ev.Reject)) == 2  # both at their 2 s queue bound
     snap = s.snapshot()
-    assert snap.turned_away_held_by == {"no-room": 1, "behind": 1}
+    assert snap.turned_away_held_by == {"no-room": 2}
+    assert snap.turned_away_behind == 1
     assert snap.rejections_by_reason == {"queue-timeout": 2}
-    assert snapshot_to_dict(snap)["turned_away_held_by"] == {"behind": 1, "no-room": 1}
+    as_dict = snapshot_to_dict(snap)
+    assert as_dict["turned_away_held_by"] == {"no-room": 2}
+    assert as_dict["turned_away_behind"] == 1
     assert set(snap.turned_away_held_by) <= set(HELD_BY)
     # too large for the engine: refused at arrival, never queued, not counted here
     assert of(s.arrive("huge", spec(prompt=40, max_tokens=12, cls="interactive"), 3.0),
               ev.Reject)
-    assert s.snapshot().turned_away_held_by == {"no-room": 1, "behind": 1}
+    assert s.snapshot().turned_away_held_by == {"no-room": 2}
+    assert s.snapshot().turned_away_behind == 1
 
     capped = Scheduler(Capacity(64, 4), policy=ReserveMaxFront(),
                        config=SchedulerConfig(max_active=1))
-    capped.arrive("one", spec(prompt=4, max_tokens=12, cls="interactive"), 0.0)
-    capped.arrive("two", spec(prompt=4, max_tokens=12, cls="interactive"), 0.0)
+    for rid in ("one", "two", "three"):
+        capped.arrive(rid, spec(prompt=4, max_tokens=12, cls="interactive"), 0.0)
     assert capped.requests["two"].held_by == "batch-cap"
-    assert of(capped.tick(2.5), ev.Reject, "two")
-    assert capped.snapshot().turned_away_held_by == {"batch-cap": 1}
+    assert capped.requests["three"].held_by is None
+    assert len(of(capped.tick(2.5), ev.Reject)) == 2
+    assert capped.snapshot().turned_away_held_by == {"batch-cap": 2}
+    assert capped.snapshot().turned_away_behind == 1
+
+    # strict class priority: a batch caller behind an interactive head held for room
+    classes = (INTERACTIVE, attrs.evolve(BATCH, max_queue_delay_s=1.0))
+    mixed = Scheduler(Capacity(4, 4), classes=classes, policy=ReserveMaxFront())
+    mixed.arrive("hog", spec(prompt=4, max_tokens=12, cls="interactive"), 0.0)
+    mixed.arrive("head", spec(prompt=4, max_tokens=12, cls="interactive"), 0.0)
+    mixed.arrive("bulk", spec(prompt=4, max_tokens=4, cls="batch"), 0.0)
+    assert mixed.requests["bulk"].held_by is None
+    assert of(mixed.tick(1.5), ev.Reject, "bulk")
+    assert mixed.snapshot().turned_away_held_by == {"no-room": 1}
+    assert mixed.snapshot().turned_away_behind == 1
 
 
 def test_queued_caller_turned_away_once_a_first_token_in_time_is_impossible() -> None:

@@ -101,10 +101,14 @@ def test_turned_away_callers_are_scraped_by_what_held_them() -> None:
     hog = RequestSpec(prompt_tokens=100, max_tokens=20, model_max_len=4096)
     assert isinstance(sched.arrive("hog", hog, 0.0)[0], Admit)  # 8 blocks: the whole cache
     assert sched.arrive("late", _spec(), 0.0) == []
+    assert sched.arrive("later", _spec(), 0.0) == []  # behind "late", never its queue's head
+    got = _samples(registry)
+    assert got[("kvbudget_turned_away_behind_total", ())] == 0
     sched.tick(5.0)  # past the interactive class's 2 s queue bound
     got = _samples(registry)
-    assert got[("kvbudget_turned_away_held_by_total", (("cause", "no-room"),))] == 1
-    assert got[("kvbudget_rejections_by_reason_total", (("reason", "queue-timeout"),))] == 1
+    assert got[("kvbudget_turned_away_held_by_total", (("cause", "no-room"),))] == 2
+    assert got[("kvbudget_turned_away_behind_total", ())] == 1
+    assert got[("kvbudget_rejections_by_reason_total", (("reason", "queue-timeout"),))] == 2
 
 
 async def _drive_budget(registry: Any) -> kvbudget.Budget:

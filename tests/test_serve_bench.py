@@ -542,8 +542,9 @@ def test_a_run_on_a_slower_machine_than_its_reference_is_noted() -> None:
 
 def test_turned_away_callers_by_cause_are_the_run_s_snapshot_delta() -> None:
     """A budgeted server's summary carries the callers it turned away after they queued, by
-    cause: the delta of its snapshot's ``turned_away_held_by`` over the run (causes seen only);
-    vLLM's server (no snapshot) has none."""
+    cause: the delta of its snapshot's ``turned_away_held_by`` over the run (causes seen only),
+    and ``turned_away_behind``, how many of them never were their queue's head; vLLM's server
+    (no snapshot) has neither."""
     from kvbudget.core.stats import HELD_BY
 
     def counters(held: dict[str, int] | None) -> dict[str, float | None]:
@@ -557,3 +558,14 @@ def test_turned_away_callers_by_cause_are_the_run_s_snapshot_delta() -> None:
     assert sb.turned_away_held_by({k: sb._delta(v, v) for k, v in after.items()}) == {}
     assert sb.turned_away_held_by(counters(None)) is None
     assert sb.turned_away_held_by({"engine_preemptions": 3.0}) is None
+    # a run's summary: the causes, and how many of those never were their queue's head
+    recs = [_rec(outcome="good", request_id=f"sb-x-r0-{k}") for k in range(2)]
+    budgeted = sb.Run("moderate", "kvbudget", 0, records=list(recs), duration=1.0)
+    budgeted.counters = {**delta, "turned_away_behind": 1.0}
+    bare = sb.Run("moderate", "vllm", 0, records=list(recs), duration=1.0)
+    bare.counters = {**counters(None), "turned_away_behind": None}
+    sb.finish_runs([bare, budgeted])
+    assert budgeted.summary["turned_away_held_by"] == {"behind": 1, "no-room": 3}
+    assert budgeted.summary["turned_away_behind"] == 1
+    assert "turned_away_held_by" not in bare.summary
+    assert "turned_away_behind" not in bare.summary

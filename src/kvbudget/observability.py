@@ -406,6 +406,7 @@ SNAPSHOT_SCALARS: Final[tuple[str, ...]] = (
     "wait_in_time_share",
     "wait_forecast_samples",
     "policy_faults",
+    "turned_away_behind",
 )
 
 
@@ -563,7 +564,8 @@ KEYED_COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     "turned_away_held_by": (
         "cause",
         "Callers turned away after they queued, by what last kept each from admission "
-        "(no-room, policy, latency-floor, batch-cap, prefill-queue, behind).",
+        "(no-room, policy, latency-floor, batch-cap, prefill-queue, behind); one never its "
+        "queue's head by what held the head it waited behind.",
     ),
 }
 
@@ -768,6 +770,16 @@ class PrometheusExporter:
             fam.add_metric(const_values, float(snap.engine_preemptions))
         yield fam
 
+        fam = counter(
+            PREFIX + "turned_away_behind",
+            "Callers turned away after they queued without ever being their queue's head (of "
+            "turned_away_held_by: a deep queue behind a held head).",
+            labels=const_names,
+        )
+        if snap is not None:
+            fam.add_metric(const_values, float(snap.turned_away_behind))
+        yield fam
+
         shell = getattr(self._owner, "counters", None) if self._owner is not None else None
         if shell is not None and hasattr(shell, "confirm_timeouts"):
             for name, (attr, doc) in SHELL_COUNTERS.items():
@@ -819,7 +831,7 @@ def metric_names() -> list[str]:
     names = [PREFIX + "info", *(PREFIX + n for n in GAUGES)]
     names += [PREFIX + n + "_total" for n in COUNTERS]
     names += [PREFIX + n + "_total" for n in KEYED_COUNTERS]
-    names += [PREFIX + "engine_preemptions_total"]
+    names += [PREFIX + "engine_preemptions_total", PREFIX + "turned_away_behind_total"]
     names += [PREFIX + n + "_total" for n in SHELL_COUNTERS]
     names += [PREFIX + "folded_names_total"]
     names += [PREFIX + n for n in UNDERESTIMATION]

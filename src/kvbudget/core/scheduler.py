@@ -191,8 +191,13 @@ class Scheduler:
         #: rejections by reason ("deadline", "queue-timeout", "first-token-late", "too-large", ...)
         self.rejections_by_reason: dict[str, int] = {}
         #: callers turned away after they queued, by what last kept each from admission
-        #: (:data:`~kvbudget.core.stats.HELD_BY`)
+        #: (:data:`~kvbudget.core.stats.HELD_BY`): its own cause as its queue's head, else the
+        #: cause of the head the last admission pass stopped at; and how many of them were never
+        #: their queue's head
         self.turned_away_held_by: dict[str, int] = {}
+        self.turned_away_behind = 0
+        #: what held the head the last admission pass stopped at (None: it stopped at none)
+        self._pass_held_by: str | None = None
         self.policy.bind(self)
         self._refresh_headroom()
 
@@ -720,7 +725,11 @@ class Scheduler:
         lifecycle.transition(req, Trigger.REJECT)
         lifecycle.settle(req, Outcome.REJECTED)
         self._count_rejection(reason)
-        held = req.held_by or "behind"
+        held = req.held_by
+        if held is None:
+            # never its queue's head: what held the head it waited behind held it
+            self.turned_away_behind += 1
+            held = self._pass_held_by or "behind"
         self.turned_away_held_by[held] = self.turned_away_held_by.get(held, 0) + 1
         self.requests.pop(req.request_id, None)
         self._remember(req.request_id)
@@ -1193,12 +1202,13 @@ class Scheduler:
         """The admission pass: queue heads in class-priority order, each admitted while
         :meth:`_may_admit` allows it (strict priority: nothing behind a head jumps it)."""
         cap = self.config.max_active
+        self._pass_held_by = None
         for cls in self.queues.order:
             queue = self.queues.by_class[cls.name]
             while queue.count:
                 req = self._head(queue)
                 if cap is not None and self.active >= cap:
-                    req.held_by = "batch-cap"
+                    req.held_by = self._pass_held_by = "batch-cap"
                     return
                 allowance = self._allowance(req)
                 boundary = req.generated + allowance
@@ -1207,6 +1217,7 @@ class Scheduler:
                 if not self._may_admit(req, blocks, allowance, now, actions):
                     behind = self._backfill_behind(queue, req, blocks, now)
                     if behind is None:
+                        self._pass_held_by = req.held_by
                         return
                     req, allowance, blocks = behind
                     boundary = req.generated + allowance
@@ -1700,6 +1711,7 @@ class Scheduler:
             shared_prefix_blocks=len(led.shared),
             rejections_by_reason=dict(self.rejections_by_reason),
             turned_away_held_by=dict(self.turned_away_held_by),
+            turned_away_behind=self.turned_away_behind,
             wait_in_time_share=self.forecast.in_time_share(),
             wait_forecast_samples=self.forecast.wait_outcome_samples,
             policy_faults=self.policy_faults,

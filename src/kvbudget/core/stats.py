@@ -17,7 +17,10 @@ if TYPE_CHECKING:
     from kvbudget.core.lengths import UnderestimationReport
 
 #: what last kept a queued caller from admission, for the callers turned away after they queued
-#: (``Snapshot.turned_away_held_by``): why a server says "overloaded" to them
+#: (``Snapshot.turned_away_held_by``): why a server says "overloaded" to them. A caller never
+#: judged as its queue's head is counted by what held the head it waited behind (the head the
+#: last admission pass stopped at, of its class or of one before it; ``turned_away_behind``
+#: counts them), "behind" only where no head was held then
 HELD_BY: Mapping[str, str] = {
     "no-room": "its grant fitted neither the admission budget nor, for a protected caller, the "
     "headroom it may take: the cache was held by the streams running",
@@ -27,8 +30,8 @@ HELD_BY: Mapping[str, str] = {
     "batch-cap": "the engine's batch was full (SchedulerConfig.max_active)",
     "prefill-queue": "admissible, but behind the prefill queued in the engine its first token "
     "would have been late",
-    "behind": "never judged as its queue's head: callers ahead of it, or of a class before "
-    "its own, waited",
+    "behind": "never judged as its queue's head, and the last admission pass stopped at no held "
+    "head (one a policy fault cut short)",
 }
 
 COUNTER_FIELDS: tuple[str, ...] = (
@@ -172,8 +175,11 @@ class Snapshot:
     #: rejections (overload, queue timeouts, too-large, deadline) by reason
     rejections_by_reason: Mapping[str, int] = attrs.field(factory=dict)
     #: callers turned away after they queued (of ``rejections_by_reason``), by what last kept
-    #: each from admission (:data:`HELD_BY`)
+    #: each from admission (:data:`HELD_BY`), a caller never its queue's head by what held the
+    #: head it waited behind
     turned_away_held_by: Mapping[str, int] = attrs.field(factory=dict)
+    #: of those, the callers never judged as their queue's head (a deep queue behind a held head)
+    turned_away_behind: int = 0
     #: the engine's own preemptions, where the adapter can count them (vLLM: Σ
     #: ``num_preempted_reqs``; None: not known)
     engine_preemptions: int | None = None

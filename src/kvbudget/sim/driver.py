@@ -1081,6 +1081,7 @@ class _Sim:
             peak_resident=self.peak_resident,
             rejections_by_reason=dict(sorted(snap.rejections_by_reason.items())),
             turned_away_held_by=dict(sorted(snap.turned_away_held_by.items())),
+            turned_away_behind=snap.turned_away_behind,
             prefix_cached_tokens=self.prefix_cached_tokens,
             resume_cached_tokens=self.resume_cached_tokens,
             prefix_hit_rate=(

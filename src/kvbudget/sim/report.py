@@ -128,7 +128,8 @@ class PolicyResult:
     ``peak_resident``: the most requests whose blocks the engine held at once.
     ``rejections_by_reason``: the turned-away requests by the scheduler's reason;
     ``turned_away_held_by``: those turned away after they queued, by what last kept each from
-    admission (:data:`kvbudget.core.stats.HELD_BY`).
+    admission (:data:`kvbudget.core.stats.HELD_BY`); ``turned_away_behind``: how many of them
+    were never their queue's head (counted there by what held the head they waited behind).
     ``prefix_cached_tokens``: prompt tokens the engine found in its prefix cache at first
     admissions; ``prefix_hit_rate``: those over the prompt tokens of first admissions.
     ``resume_cached_tokens``: tokens requests admitted again after a preemption found cached.
@@ -175,6 +176,7 @@ class PolicyResult:
     rejections_by_reason: Mapping[str, int] = attrs.field(factory=dict)
     #: callers turned away after they queued, by what last kept each from admission
     turned_away_held_by: Mapping[str, int] = attrs.field(factory=dict)
+    turned_away_behind: int = 0
     prefix_cached_tokens: int = 0
     prefix_hit_rate: float = 0.0
     resume_cached_tokens: int = 0
@@ -214,6 +216,7 @@ class PolicyResult:
             "peak_resident",
             "rejections_by_reason",
             "turned_away_held_by",
+            "turned_away_behind",
             "resume_cached_tokens",
         ):
             d[k] = getattr(self, k)
