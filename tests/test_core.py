@@ -1375,6 +1375,32 @@ def test_callers_turned_away_after_queueing_are_counted_by_what_held_them() -> N
     assert mixed.snapshot().turned_away_behind == 1
 
 
+def test_a_head_is_held_by_the_policy_only_where_its_gate_kept_room_the_head_could_take() -> None:
+    """The cause a refused head records: a protected head whose grant fits neither the
+    admission budget nor the unprotected headroom is held by room ("no-room") even where the
+    policy's gate refuses it too; one that would fit that headroom is held by the gate
+    ("policy")."""
+
+    class KeepsHeadroom(BasePolicy):
+        name = "keeps-headroom"
+        preempt_for_admission = True
+
+        def headroom_target(self) -> int:
+            return 4
+
+        def admit(self, req: Request, blocks: int) -> bool:
+            return self._s.ledger.fits_admission(blocks)
+
+    s = Scheduler(Capacity(12, 4), policy=KeepsHeadroom())
+    assert of(s.arrive("hog", spec(prompt=4, max_tokens=24, cls="interactive"), 0.0), ev.Admit)
+    s.charge("hog", 1, 0.0)  # 7 blocks held, 5 free: 1 for admissions past the 4 of headroom
+    s.arrive("big", spec(prompt=4, max_tokens=24, cls="interactive"), 0.0)  # 7 > 5 free
+    assert s.requests["big"].held_by == "no-room"
+    s.tick(2.5)  # turned away at its queue bound
+    s.arrive("small", spec(prompt=4, max_tokens=8, cls="interactive"), 3.0)  # 3: the headroom
+    assert s.requests["small"].held_by == "policy"
+
+
 def test_queued_caller_turned_away_once_a_first_token_in_time_is_impossible() -> None:
     """Under a first-token objective, a queued caller is turned away at the objective less its
     predicted prefill (admitted later, it would miss anyway), not at its longer queue bound; a

@@ -1363,8 +1363,9 @@ class Scheduler:
         policy that preempts for admission that does not fit may instead take the headroom
         beyond its protected part, or checkpoint batch work for it
         (:meth:`_protected_head_room`). Refused, the head records what held it
-        (``req.held_by``, :data:`~kvbudget.core.stats.HELD_BY`): the latency floor, else the
-        policy's gate, else room.
+        (``req.held_by``, :data:`~kvbudget.core.stats.HELD_BY`): room, where its grant fits
+        neither the admission budget nor the headroom it may take; else the latency floor,
+        else the policy's gate, else room (the headroom kept for extensions waiting).
         """
         idle = self._idle
         # (the headroom is kept for the extensions of grants in flight: with none, a head that
@@ -1382,8 +1383,13 @@ class Scheduler:
             req, blocks, policy_admits, within_floor, now, actions
         ):
             return True
+        # (a gate is named only where it stood between the head and room it could take)
+        room = fits or self.ledger.fits_extension(blocks, protected=False)
         req.held_by = (
-            "latency-floor" if not within_floor else "policy" if not policy_admits else "no-room"
+            "no-room" if not room
+            else "latency-floor" if not within_floor
+            else "policy" if not policy_admits
+            else "no-room"
         )
         return False
 

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 HELD_BY: Mapping[str, str] = {
     "no-room": "its grant fitted neither the admission budget nor, for a protected caller, the "
     "headroom it may take: the cache was held by the streams running",
-    "policy": "the policy's own gate (e.g. headroom kept for the running streams' growth while "
-    "releases were due in time, or first tokens crowded by the prefill queued)",
+    "policy": "the policy's own gate, where its grant fitted the admission budget or the "
+    "headroom it may take (e.g. headroom kept for the running streams' growth while releases "
+    "were due in time, or first tokens crowded by the prefill queued)",
     "latency-floor": "admitting it would have pushed running streams past their latency floor",
     "batch-cap": "the engine's batch was full (SchedulerConfig.max_active)",
     "prefill-queue": "admissible, but behind the prefill queued in the engine its first token "
