@@ -375,6 +375,55 @@ async def test_preemption_and_resumption_of_a_lease() -> None:
     assert budget.snapshot().reserved_blocks == 0
 
 
+@pytest.mark.parametrize("give_up", ["cancel", "fail", "exit-with-error"])
+async def test_a_lease_given_up_while_it_waits_to_resume_is_forgotten(give_up: str) -> None:
+    # (the core ends such a request at once and sends no Released for it: the lease used to
+    # stay tracked for good, one leaked lease per such caller in a long-running server)
+    budget = Budget(Capacity(24, 16), lengths=short_lengths())
+    batch = await budget.lease(spec(prompt=200, max_tokens=300, cls="batch"), "b").__aenter__()
+    batch.charge(3)
+    done = anyio.Event()
+
+    async def interactive() -> None:
+        async with budget.lease(spec(prompt=200, max_tokens=120), "i") as lease:
+            lease.charge(2)
+            await done.wait()
+        budget.confirm_release("i")
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(interactive)
+            while not batch.preemptions:
+                await anyio.sleep(0.001)
+            assert budget.confirm_release("b", attempt=0)
+            assert budget.scheduler.requests["b"].state.value == "checkpointed"
+            assert budget.pending_leases == 2
+            if give_up == "cancel":
+                batch.cancel()
+            elif give_up == "fail":
+                batch.fail("the engine went away")
+            else:
+                await batch.__aexit__(RuntimeError, RuntimeError("caller failed"), None)
+            assert budget.pending_leases == 1 and "b" not in budget.scheduler.requests
+            done.set()
+    assert budget.pending_leases == 0
+    snap = budget.snapshot()
+    assert snap.queued == 0 and snap.reserved_blocks == 0
+    assert not budget.confirm_release("b")  # a late confirmation finds nothing to return
+    assert budget.pending_leases == 0
+
+
+async def test_an_arrived_lease_cancelled_before_it_is_entered_is_forgotten() -> None:
+    budget = Budget(Capacity(40, 16))
+    async with budget.lease(spec(prompt=400, max_tokens=600), "big"):
+        waiting = budget.lease(spec(prompt=400, max_tokens=600), "waiting")
+        waiting.arrive()
+        assert budget.snapshot().queued == 1 and budget.pending_leases == 2
+        waiting.cancel()
+        assert budget.snapshot().queued == 0 and budget.pending_leases == 1
+    assert budget.confirm_release("big") and budget.pending_leases == 0
+
+
 async def test_continuation_required() -> None:
     budget = Budget(Capacity(12, 16), lengths=short_lengths())
     async with budget.lease(spec(prompt=120, max_tokens=200, cls="batch"), "hog"), budget.lease(

@@ -377,8 +377,15 @@ class Lease:
             # this attempt was never handed to the caller: the engine never saw it
             actions.extend(budget._sched.confirm_release(self.request_id, now))
         budget._apply(actions)
-        if req.state in TERMINAL_STATES:
-            budget._leases.pop(self.request_id, None)
+        self._forget_if_over()
+
+    def _forget_if_over(self) -> None:
+        """The budget stops tracking a lease whose request is over. Needed where the core
+        ends a queued request at once (cancelled or failed while it waited, after a
+        preemption too): no Released or Reject comes for it to do so."""
+        req = self._req
+        if req is not None and req.state in TERMINAL_STATES:
+            self._budget._leases.pop(self.request_id, None)
 
     # -- ending --------------------------------------------------------------------------------
 
@@ -404,6 +411,7 @@ class Lease:
         actions = budget._sched.cancel(self.request_id, self._clock())
         budget._log("cancelled", self, generated=self.generated)
         budget._apply(actions)
+        self._forget_if_over()
 
     def fail(self, detail: str) -> None:
         """The engine failed the request. Its blocks stay charged until confirmed."""
@@ -414,6 +422,7 @@ class Lease:
         actions = budget._sched.fail(self.request_id, detail, self._clock())
         budget._log("failed", self, detail=detail, level="warning")
         budget._apply(actions)
+        self._forget_if_over()
 
     # -- the context manager -------------------------------------------------------------------
 
