@@ -569,6 +569,15 @@ KEYED_COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     ),
 }
 
+#: counters of the whole budget: the ``Snapshot`` field of that name (without ``kvbudget_`` and
+#: ``_total``) -> help; a field that is None (not known) has no sample
+BUDGET_COUNTERS: Final[Mapping[str, str]] = {
+    "engine_preemptions": "The engine's own preemptions (vLLM: by recompute; 0 under the "
+    "budget). No sample where the engine does not report them.",
+    "turned_away_behind": "Callers turned away after they queued without ever being their "
+    "queue's head (of turned_away_held_by: a deep queue behind a held head).",
+}
+
 #: counter name (without ``kvbudget_`` and ``_total``) -> (Counters field, help)
 COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     "arrived": ("arrived", "Requests that arrived."),
@@ -760,25 +769,12 @@ class PrometheusExporter:
                     fam.add_metric([*const_values, key], float(n))
             yield fam
 
-        fam = counter(
-            PREFIX + "engine_preemptions",
-            "The engine's own preemptions (vLLM: by recompute; 0 under the budget). No sample "
-            "where the engine does not report them.",
-            labels=const_names,
-        )
-        if snap is not None and snap.engine_preemptions is not None:
-            fam.add_metric(const_values, float(snap.engine_preemptions))
-        yield fam
-
-        fam = counter(
-            PREFIX + "turned_away_behind",
-            "Callers turned away after they queued without ever being their queue's head (of "
-            "turned_away_held_by: a deep queue behind a held head).",
-            labels=const_names,
-        )
-        if snap is not None:
-            fam.add_metric(const_values, float(snap.turned_away_behind))
-        yield fam
+        for name, doc in BUDGET_COUNTERS.items():
+            fam = counter(PREFIX + name, doc, labels=const_names)
+            total: int | None = getattr(snap, name) if snap is not None else None
+            if total is not None:
+                fam.add_metric(const_values, float(total))
+            yield fam
 
         shell = getattr(self._owner, "counters", None) if self._owner is not None else None
         if shell is not None and hasattr(shell, "confirm_timeouts"):
@@ -831,7 +827,7 @@ def metric_names() -> list[str]:
     names = [PREFIX + "info", *(PREFIX + n for n in GAUGES)]
     names += [PREFIX + n + "_total" for n in COUNTERS]
     names += [PREFIX + n + "_total" for n in KEYED_COUNTERS]
-    names += [PREFIX + "engine_preemptions_total", PREFIX + "turned_away_behind_total"]
+    names += [PREFIX + n + "_total" for n in BUDGET_COUNTERS]
     names += [PREFIX + n + "_total" for n in SHELL_COUNTERS]
     names += [PREFIX + "folded_names_total"]
     names += [PREFIX + n for n in UNDERESTIMATION]
