@@ -1041,6 +1041,7 @@ def test_turn_away_at_arrival_reads_outcomes_at_the_callers_pressure() -> None:
     past the bound is turned away (UNCALIBRATED_WAIT_RATIO: taken as it is), one the pauses for
     first tokens may serve only past four times it (UNCALIBRATED_WAIT_RATIO_PAUSES)."""
     from kvbudget.core.forecast import MIN_WAIT_OUTCOMES, wait_pressure_band
+    from kvbudget.observability import snapshot_to_dict
 
     s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
     f = s.forecast
@@ -1057,6 +1058,16 @@ def test_turn_away_at_arrival_reads_outcomes_at_the_callers_pressure() -> None:
     assert f.unlikely_in_time(0.8, 1.0)
     snap = s.snapshot()  # the snapshot shows the outcomes read for the forecast judged last
     assert snap.wait_in_time_share == 0.0 and snap.wait_forecast_samples == MIN_WAIT_OUTCOMES
+    # and every band's outcomes, as the turn-away reads them
+    bands = snap.wait_outcomes_by_band
+    assert bands[wait_pressure_band(5.0)] == (MIN_WAIT_OUTCOMES, MIN_WAIT_OUTCOMES)
+    assert bands[wait_pressure_band(0.8)] == (MIN_WAIT_OUTCOMES, 0)
+    assert sum(seen for seen, _ in bands) == 2 * MIN_WAIT_OUTCOMES
+    rows = snapshot_to_dict(snap)["wait_outcomes_by_band"]
+    assert [r["pressure_from"] for r in rows[:4]] == [0.0, 0.5, 0.707, 1.0]
+    assert rows[wait_pressure_band(0.8)] == {
+        "pressure_from": 0.707, "seen": MIN_WAIT_OUTCOMES, "in_time": 0,
+    }
     # an empty band reads the ones beside it, then the next one down: served at 5x, a caller
     # at up to twice that pressure queues; far past that the forecast alone decides again
     assert wait_pressure_band(7.5) == wait_pressure_band(5.0) + 1

@@ -316,6 +316,21 @@ def test_format_snapshot_handles_an_empty_budget() -> None:
     text = format_snapshot(snapshot_to_dict(sched.snapshot()))
     assert "capacity_blocks" in text and "policy" in text
     json.dumps(snapshot_to_dict(sched.snapshot()))  # JSON-able
+    assert "admitted in time" not in text  # (no queued caller's outcome yet)
+
+
+def test_format_snapshot_shows_the_wait_outcomes_the_turn_away_reads() -> None:
+    """``kvbudget inspect`` shows, band by band of pressure, how many queued callers were
+    admitted in time: what the turn-away at arrival judges a new caller's forecast by."""
+    sched = Scheduler(Capacity(blocks=4, block_size=16))
+    for ok in (True, True, False):
+        sched.forecast.note_waited(1.2, 1.0, ok, sched.now)
+    sched.forecast.note_waited(0.3, 1.0, True, sched.now)
+    data = snapshot_to_dict(sched.snapshot())
+    assert len(data["wait_outcomes_by_band"]) == 16
+    text = format_snapshot(data)
+    assert "admitted in time, by forecast wait / what they might wait: from 0: 1/1, " \
+        "from 1: 2/3" in text
 
 
 _EMBEDDED = """

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Final
 import attrs
 import structlog
 
+from kvbudget.core.forecast import wait_pressure_band_from
 from kvbudget.core.stats import COUNTER_FIELDS, CounterValues, Snapshot
 from kvbudget.errors import InvalidInput, UnknownName
 
@@ -440,6 +441,11 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
         {"service_class": cls, "tenant": tenant, **_counters(v)}
         for (cls, tenant), v in sorted(snapshot.by_class_tenant.items())
     ]
+    out["wait_outcomes_by_band"] = [
+        {"pressure_from": round(wait_pressure_band_from(band), 3), "seen": seen,
+         "in_time": in_time}
+        for band, (seen, in_time) in enumerate(snapshot.wait_outcomes_by_band)
+    ]
     under = snapshot.underestimation
     if under is None:
         out["underestimation"] = None
@@ -499,6 +505,13 @@ def format_snapshot(data: Mapping[str, Any]) -> str:
             f"(rate {o['rate']:.3f}, coverage {o['coverage']:.3f}, target {o['target']:.3f}); "
             f"shortfall p50/p90/p99 = {o['shortfall_p50']}/{o['shortfall_p90']}/"
             f"{o['shortfall_p99']} tokens"
+        )
+    bands = [b for b in data.get("wait_outcomes_by_band") or () if b.get("seen")]
+    if bands:
+        lines.append("")
+        lines.append(
+            "queued callers admitted in time, by forecast wait / what they might wait: "
+            + ", ".join(f"from {b['pressure_from']:g}: {b['in_time']}/{b['seen']}" for b in bands)
         )
     return "\n".join(lines)
 

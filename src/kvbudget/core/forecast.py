@@ -71,6 +71,13 @@ def wait_pressure_band(pressure: float) -> int:
     return min(WAIT_PRESSURE_BANDS - 1, 1 + int(2.0 * math.log2(pressure / WAIT_PRESSURE_FROM)))
 
 
+def wait_pressure_band_from(band: int) -> float:
+    """The lowest pressure of ``band`` (:func:`wait_pressure_band`; 0 for band 0)."""
+    if band <= 0:
+        return 0.0
+    return float(WAIT_PRESSURE_FROM * 2.0 ** ((band - 1) / 2.0))
+
+
 def _turned_over(
     times: Sequence[float], returned: Sequence[int], need: int, turnover: float
 ) -> float:
@@ -547,6 +554,15 @@ class Forecast:
                 for read in range(band - 1, band + 3):
                     self._share_at.pop(read, None)
 
+    def wait_outcomes_by_band(self) -> tuple[tuple[int, int], ...]:
+        """What the turn-away at arrival reads, band by band of pressure
+        (:func:`wait_pressure_band`): ``(seen, in time)`` of the recent queued callers'
+        outcomes (the last ``wait_outcome_window`` of each band, from the last minute)."""
+        self._forget_old()
+        return tuple(
+            (len(outcomes), self._in_time[band]) for band, outcomes in enumerate(self._outcomes)
+        )
+
     def unlikely_in_time(self, wait: float, bound: float, pauses: bool = False) -> bool:
         """Is a caller forecast to wait ``wait`` seconds, who may wait ``bound``, unlikely to be
         admitted in time (``SchedulerConfig.turn_away_wait_quantile``)? Where at least
@@ -626,4 +642,5 @@ __all__ = [
     "Forecast",
     "ForecastMemory",
     "wait_pressure_band",
+    "wait_pressure_band_from",
 ]

@@ -1720,6 +1720,7 @@ class Scheduler:
             turned_away_behind=self.turned_away_behind,
             wait_in_time_share=self.forecast.in_time_share(),
             wait_forecast_samples=self.forecast.wait_outcome_samples,
+            wait_outcomes_by_band=self.forecast.wait_outcomes_by_band(),
             policy_faults=self.policy_faults,
         )
 

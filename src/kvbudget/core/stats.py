@@ -191,6 +191,10 @@ class Snapshot:
     #: seen; 1.0 with none), and how many such outcomes it read
     wait_in_time_share: float = 1.0
     wait_forecast_samples: int = 0
+    #: those outcomes band by band of pressure (``kvbudget.core.forecast.wait_pressure_band``,
+    #: band ``b`` >= 1 from pressure ``0.5 * 2 ** ((b - 1) / 2)``): ``(seen, in time)`` each,
+    #: what the turn-away at arrival reads for a caller of that pressure
+    wait_outcomes_by_band: tuple[tuple[int, int], ...] = ()
     #: the policy's notifications that raised (the core went on without them; the shell logs
     #: each as ``policy_fault``)
     policy_faults: int = 0
