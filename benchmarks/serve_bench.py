@@ -146,7 +146,9 @@ exports it; ``null`` otherwise; the budget's own ``kvbudget_preemptions_total`` 
 ``turned_away_held_by`` delta of ``/kvbudget/snapshot`` over the run, by cause (the causes seen;
 ``kvbudget.core.stats.HELD_BY``; a caller never its queue's head by what held the head it
 waited behind), and ``turned_away_behind``, how many of them were never their queue's head, in
-each of its summaries. Wasted decoded tokens (abandon): vLLM:
+each of its summaries. What its turn-away at arrival had learned: the snapshot's
+``wait_outcomes_by_band`` just before and just after each run (``wait_outcomes`` in its records
+file; sim_vs_real sets the simulator's beside it). Wasted decoded tokens (abandon): vLLM:
 the ``vllm:generation_tokens_total`` delta minus the tokens delivered to the clients that stayed;
 the example: the same with ``kvbudget_tokens_total``, and beside it the budget's own figure
 (``server_wasted_tokens``: ``kvbudget_wasted_decoded_tokens_total``; ``snapshot_wasted_tokens``:
@@ -684,6 +686,12 @@ class ServerProcess:
             return None
         data = json.loads(body)
         return data if isinstance(data, dict) else None
+
+    def wait_outcomes(self) -> list[dict[str, Any]] | None:
+        """The budget's wait outcomes by band of pressure, as its snapshot shows them (None:
+        not a budgeted server, or a server from before the snapshot showed them)."""
+        bands = (self.snapshot() or {}).get("wait_outcomes_by_band")
+        return bands if isinstance(bands, list) else None
 
     def cpu_seconds(self) -> dict[str, float | None]:
         """CPU time used so far by the server's front-end process (its HTTP handling,
@@ -1740,6 +1748,10 @@ class Run:
     steal: list[tuple[float, float]] = field(default_factory=list)
     #: :func:`machine_probe_ms` just before the run, its server idle
     probe_ms: float | None = None
+    #: a budgeted server's wait outcomes by band of pressure (its snapshot's
+    #: ``wait_outcomes_by_band``) just before the run and just after ("before"/"after"): what
+    #: its turn-away at arrival had learned; sim_vs_real compares the simulator's with them
+    wait_outcomes: dict[str, Any] = field(default_factory=dict)
 
 
 def run_workload(
@@ -1753,6 +1765,7 @@ def run_workload(
         run.idle["before_busy"] = busy
     run.probe_ms = machine_probe_ms()
     before = srv.counters()
+    run.wait_outcomes["before"] = srv.wait_outcomes()
     n = num_prompts(workload, opts.num_prompts_scale)
     prefix = f"sb-{srv.spec.name}-{workload.name}-r{rep}-{uuid.uuid4().hex[:6]}-"
     seed = opts.seed  # every run of a workload sends the same requests
@@ -1785,6 +1798,7 @@ def run_workload(
     if busy:
         run.idle["after_busy"] = busy
     after = srv.counters()
+    run.wait_outcomes["after"] = srv.wait_outcomes()
     run.counters = {k: _delta(after.get(k), before.get(k)) for k in after}
     # the engine's pace in this run alone (the machine's drifts 20-30 % from run to run):
     # sim_vs_real replays the run on it
@@ -2205,6 +2219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 path.write_text(json.dumps(
                     {"summary": run.summary, "counters": run.counters,
                      "client_stalls": stalls_json(run),
+                     "wait_outcomes": run.wait_outcomes,
                      "machine_steal": [[round(t, 3), round(v, 4)] for t, v in run.steal],
                      "records": records_json(run)},
                     indent=1), encoding="utf-8")

@@ -88,6 +88,24 @@ workloads one after the other, so the budget's length and step-cost models are c
 workload to the next in serve_bench's order; each repeat starts from fresh models, as a server
 serve_bench restarts for each repeat (``--rotate``, its default) does.
 
+What the example's turn-away at arrival had learned (``--wait-outcomes``). It turns a caller away
+on its forecast wait only where few recent queued callers forecast at about its pressure were
+admitted in time (``SchedulerConfig.turn_away_wait_quantile``), so what it does in one workload
+hangs on the outcomes the workloads before left it, band by band of pressure. serve_bench records
+the real server's (its snapshot's ``wait_outcomes_by_band``) before each run, and the output sets
+them beside the simulator's at each workload's start. By default (``real``, where the run
+recorded them) the simulated server starts each workload from what the real server had learned
+then: like the send times and the engine's pace, a condition of the run replayed, so each
+workload is predicted from the real state rather than from a carried one that has drifted; with
+``sim`` it starts from what its simulated workloads before taught it, the state predicted too.
+Why (the thirty-fifth session): in one run the real example turned callers of the overload away
+from a forecast about twice their bound, in another of the same tree only past 2.8 times it, and
+the simulator, whose carried outcomes put the moderate workload's callers at a higher pressure
+than the real ones', followed the second; in a default run the simulated example's carried
+outcomes had 11 of 43 callers forecast at 2.8-4x their bound served in time where the real one
+had none of 12 (and 12 of 54 past 4x, where the simulated one had none), and it served 57 of the
+multi-prefix workload against the real 49 (51 from the real state; docs/benchmarks.md).
+
 vLLM's server's pace (``--pace run``, the default where the run's records are at hand). Nothing in
 the run times the steps of vLLM's own server's engine, and the example's profile is its own engine's
 pace over the whole run; on this 2-core machine the same server ran the same workload 20-25 % slower
@@ -193,9 +211,11 @@ import serve_bench as sb  # noqa: E402
 
 from kvbudget.core.config import SchedulerConfig  # noqa: E402
 from kvbudget.core.cost import CostModel, StepTimeModel  # noqa: E402
-from kvbudget.core.forecast import ForecastMemory  # noqa: E402
+from kvbudget.core.forecast import ForecastMemory, wait_pressure_band_from  # noqa: E402
 from kvbudget.core.lengths import LengthModel  # noqa: E402
+from kvbudget.core.model import Capacity  # noqa: E402
 from kvbudget.core.policy import Policy, make_policy  # noqa: E402
+from kvbudget.core.scheduler import Scheduler  # noqa: E402
 from kvbudget.engines.vllm.adapter import (  # noqa: E402
     DEFAULT_SLACK_TOKENS,
     PREFILL_PROBES,
@@ -779,6 +799,7 @@ def simulate_workloads(
     paced: Collection[str] = (),
     pace: str = "phases",
     servers: Sequence[str] = SERVERS,
+    wait_outcomes: str = "real",
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``{workload: {server: summary}}`` of the simulated runs, workloads in serve_bench's order,
     each server's budget models carried from one workload to the next (module docstring).
@@ -793,7 +814,11 @@ def simulate_workloads(
     replayed run's own streams show, not the profile's: per window (``pace`` "phases",
     :func:`phased_simulation`; its summary also says ``window_step_scales``) or one for the run
     (:func:`paced_simulation`; "run"); each such summary says its ``step_scale``. ``servers``:
-    the servers simulated (:func:`servers_in_order`; each with :func:`simulated_policy`)."""
+    the servers simulated (:func:`servers_in_order`; each with :func:`simulated_policy`).
+    ``wait_outcomes``: what a budgeted server's turn-away at arrival knows at each workload's
+    start: where the replayed run recorded it, what the real server had learned then ("real",
+    :func:`with_wait_outcomes`), else, or with "sim", what its simulated runs of the workloads
+    before taught it; its summary says both and which was used (``wait_outcomes_at_start``)."""
     send_times = replay.send_times if replay is not None else {}
     engine = profile.engine_model()
     engines = {
@@ -828,6 +853,17 @@ def simulate_workloads(
             )
             stalls = replay.stalls.get(name, {}).get(server, ()) if replay is not None else ()
             client = ClientView(stalls)
+            real_bands = (
+                replay.wait_outcomes.get(name, {}).get(server) if replay is not None else None
+            )
+            sim_bands = memory_bands(memories[server])
+            # (a fresh real server, before its first workload, is a fresh simulated one)
+            seeded = wait_outcomes == "real" and real_bands is not None and (
+                memories[server] is not None or any(seen for seen, _ in real_bands)
+            )
+            if seeded:
+                assert real_bands is not None
+                memories[server] = with_wait_outcomes(memories[server], real_bands)
 
             def run_at(
                 step_scale: float, slow: Sequence[tuple[float, float, float]] | None = None,
@@ -879,7 +915,17 @@ def simulate_workloads(
                 summary["window_step_scales"] = [round(x, 3) for x in window_scales]
             summary["engine_profile"] = "this run's" if server in own else "the run's"
             summary["policy"] = result.policy
-            summary["engine_preemptions"] = result.preemptions
+            if server in PAUSING_SERVERS:
+                # (the ledger grants every block before the engine takes it: a simulated
+                # budgeted engine never preempts on its own; the preemptions are the budget's,
+                # as serve_bench reports a real one's apart from its engine's)
+                summary["engine_preemptions"] = 0
+                summary["budget_preemptions"] = result.preemptions
+                summary["wait_outcomes_at_start"] = {
+                    "sim": sim_bands, "real": real_bands, "used": "real" if seeded else "sim",
+                }
+            else:
+                summary["engine_preemptions"] = result.preemptions
             summary["rejections_by_reason"] = dict(result.rejections_by_reason)
             summary["prefix_hit_rate"] = round(result.prefix_hit_rate, 3)
             per[server] = summary
@@ -1237,7 +1283,7 @@ def _real_summary(s: Mapping[str, Any]) -> dict[str, Any]:
         "abandoned": s.get("left", 0),
     }
     for key in ("goodput", "duration_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms",
-                "tpot_p99_ms", "engine_preemptions", *FREEZE_KEYS):
+                "tpot_p99_ms", "engine_preemptions", "budget_preemptions", *FREEZE_KEYS):
         out[key] = s.get(key)
     return out
 
@@ -1344,6 +1390,9 @@ class Replay:
     #: run (the windows cut from the phases while requests were sent and after)
     #: (:func:`real_phase_gaps`; ``--pace phases``)
     phase_gaps: dict[str, dict[str, PhaseGaps]] = field(default_factory=dict)
+    #: a budgeted server's wait outcomes by band of pressure just before each workload, as
+    #: serve_bench recorded them (``(seen, in time)`` per band; :func:`real_wait_outcomes`)
+    wait_outcomes: dict[str, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)
 
 
 def stretch_profiles(path: Path, workload: str, server: str) -> list[EngineProfile | None]:
@@ -1377,12 +1426,16 @@ def load_replays(path: Path, stretches: bool = False) -> list[Replay]:
         gaps: dict[str, dict[str, float]] = {}
         profiles: dict[str, dict[str, EngineProfile]] = {}
         phases: dict[str, dict[str, PhaseGaps]] = {}
+        outcomes: dict[str, dict[str, list[tuple[int, int]]]] = {}
         for (workload, server), reps in runs.items():
             run = reps[min(k, len(reps) - 1)]
             mine = own.get((workload, server)) or []
             profile = mine[min(k, len(mine) - 1)] if mine else None
             if profile is not None:
                 profiles.setdefault(workload, {})[server] = profile
+            bands = real_wait_outcomes(run)
+            if bands is not None:
+                outcomes.setdefault(workload, {})[server] = bands
             recs = run.get("records") or []
             if not recs:
                 continue
@@ -1398,8 +1451,49 @@ def load_replays(path: Path, stretches: bool = False) -> list[Replay]:
             phase = real_phase_gaps(recs, budgeted)
             if phase is not None:
                 phases.setdefault(workload, {})[server] = phase
-        replays.append(Replay(sent, stalls, gaps, profiles, phases))
+        replays.append(Replay(sent, stalls, gaps, profiles, phases, outcomes))
     return replays
+
+
+def real_wait_outcomes(run: Mapping[str, Any]) -> list[tuple[int, int]] | None:
+    """A budgeted server's wait outcomes by band just before one run (``(seen, in time)`` per
+    band of pressure, from serve_bench's ``wait_outcomes`` of its records file; None where it
+    has none: not budgeted, or a run from before serve_bench recorded them)."""
+    bands = (run.get("wait_outcomes") or {}).get("before")
+    if not isinstance(bands, list):
+        return None
+    return [(int(b["seen"]), int(b["in_time"])) for b in bands]
+
+
+def memory_bands(memory: ForecastMemory | None) -> list[tuple[int, int]]:
+    """``(seen, in time)`` per band of pressure of a forecast's memory (none: a fresh one)."""
+    if memory is None:
+        return []
+    return [(len(band), sum(ok for _, ok in band)) for band in memory.outcomes]
+
+
+def with_wait_outcomes(
+    memory: ForecastMemory | None, bands: Sequence[tuple[int, int]]
+) -> ForecastMemory:
+    """``memory`` (None: a fresh forecast's) with the wait outcomes ``bands`` instead of its
+    own, every one of them as of the memory's time (so each counts for a minute from the
+    workload's start, :data:`kvbudget.core.forecast.WAIT_OUTCOME_HORIZON_S`): what a real
+    server had learned, for a simulated one to start from (``--wait-outcomes real``)."""
+    base = memory if memory is not None else Scheduler(Capacity(1, 1)).forecast.memory()
+    at = base.at
+    return attrs.evolve(base, outcomes=tuple(
+        tuple([(at, True)] * in_time + [(at, False)] * (seen - in_time))
+        for seen, in_time in bands
+    ))
+
+
+def format_bands(bands: Sequence[tuple[int, int]]) -> str:
+    """The bands seen, ``pressure from: in time/seen`` ("none" without any)."""
+    shown = [
+        f"{wait_pressure_band_from(band):.2g}:{in_time}/{seen}"
+        for band, (seen, in_time) in enumerate(bands) if seen
+    ]
+    return " ".join(shown) or "none"
 
 
 def load_real(path: Path) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, Any]]:
@@ -1780,6 +1874,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "each from the streams of its phase), and the example's on its engine "
                         "profile of each run where serve_bench kept one; or both at the "
                         f"profile's (none) (default {PACE_DEFAULT})")
+    p.add_argument("--wait-outcomes", choices=("real", "sim"), default="real",
+                   help="what the example's turn-away at arrival knows at each workload's "
+                        "start: what the real server had learned then, where serve_bench "
+                        "recorded it (real, the default: each workload predicted from the "
+                        "server's state at its start, as from its send times and pace; else "
+                        "sim) or what the simulated runs of the workloads before taught it "
+                        "(sim: the state predicted too)")
     p.add_argument("--policy", default=None,
                    help="the kvbudget example's policy (default: the run's, else calibrated)")
     p.add_argument("--example-arg", action="append", default=None, metavar="ARG",
@@ -1973,7 +2074,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             policy=example_policy(opts.policy, opts.example_arg), seed=opts.seed,
             scale=opts.num_prompts_scale, tok=tok, bench_args=opts.bench_arg, replay=replay,
             stall_speed=opts.stall_speed, front_ends=front_ends, paced=paced, pace=opts.pace,
-            servers=servers,
+            servers=servers, wait_outcomes=opts.wait_outcomes,
         )
         for replay in replays
     ])
@@ -2008,6 +2109,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if windows:
             print(f"# {server}'s pace per window of its run, first to last (--pace phases, the "
                   f"first run): {windows}")
+    for server in servers:
+        starts = [
+            (w, sim[w][server]["wait_outcomes_at_start"]) for w in sim
+            if (sim[w].get(server) or {}).get("wait_outcomes_at_start")
+            and sim[w][server]["wait_outcomes_at_start"]["real"] is not None
+        ]
+        if starts:
+            print(f"# {server}'s turn-away evidence at each workload's start (wait outcomes by "
+                  f"pressure from: in time/seen; the real server's | what the simulated "
+                  f"workload before left, the first run; each simulated workload started "
+                  f"from the {opts.wait_outcomes} one where recorded):")
+            for w, bands in starts:
+                print(f"#   {w}: {format_bands(bands['real'])} | {format_bands(bands['sim'])}")
     drifts = machine_drifts(run_dir) if run_dir is not None else []
     if drifts:
         print(f"# WARNING: the machine's probe before these real runs differs from their vLLM "
@@ -2050,6 +2164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "unmodelled": unmodelled,
             "send_times": send_times,
             "stall_speed": opts.stall_speed,
+            "wait_outcomes": opts.wait_outcomes,
             "front_ends": {
                 server: {**fe.to_dict(), "idle_share": idle}
                 for server, (fe, idle) in fitted.items()

@@ -629,6 +629,62 @@ def test_each_repeat_of_the_example_runs_on_its_own_engine_profile(
     assert runs[1]["tpot_p50_ms"] > 1.6 * runs[0]["tpot_p50_ms"]
 
 
+def test_the_examples_turn_away_may_start_each_workload_from_what_the_real_one_had_learned(
+    tmp_path: pathlib.Path,
+) -> None:
+    """serve_bench records the example's wait outcomes by band before each run; sim_vs_real
+    reads them, reports them beside the simulator's own at each workload's start, and with
+    ``wait_outcomes="real"`` starts the simulated turn-away from them (each counting for a
+    minute from the workload's start), not from what its simulated workloads before taught it.
+    """
+    from kvbudget.core.forecast import MIN_WAIT_OUTCOMES, WAIT_OUTCOME_HORIZON_S
+    from kvbudget.core.model import Capacity
+    from kvbudget.core.scheduler import Scheduler
+
+    pressed = [(0, 0)] * 16
+    pressed[3] = (MIN_WAIT_OUTCOMES + 4, 1)  # at about its bound, nearly all timed out
+    for workload in ("burst", "abandon"):
+        plan = svr.plan_workload(workload, 0, TOK)
+        records = [
+            {"request_id": f"sb-kvbudget-{workload}-r0-abc-{p.index}", "start": 10.0,
+             "prompt_len": p.prompt_tokens, "output_len": p.output_tokens}
+            for p in plan
+        ]
+        before = [{"pressure_from": 0.0, "seen": n, "in_time": k}
+                  for n, k in ([(0, 0)] * 16 if workload == "burst" else pressed)]
+        (tmp_path / f"records-{workload}-kvbudget-r0.json").write_text(json.dumps(
+            {"summary": _summary(30, 0), "records": records, "client_stalls": [],
+             "wait_outcomes": {"before": before, "after": None}}
+        ))
+    (replay,) = svr.load_replays(tmp_path)
+    assert replay.wait_outcomes["abandon"]["kvbudget"] == pressed
+    assert svr.format_bands(pressed) == f"1:1/{MIN_WAIT_OUTCOMES + 4}"
+    assert svr.format_bands([]) == "none"
+    for mode in ("sim", "real"):
+        out = svr.simulate_workloads(
+            ["burst", "abandon"], profile=svr.load_profile(svr.DEFAULT_PROFILE, None),
+            replay=replay, wait_outcomes=mode,
+        )
+        start = out["abandon"]["kvbudget"]["wait_outcomes_at_start"]
+        assert start["real"] == pressed and start["used"] == mode
+        assert start["sim"] != pressed  # (the simulated burst taught it something else)
+        # the first workload starts fresh either way, as the real server did
+        assert out["burst"]["kvbudget"]["wait_outcomes_at_start"]["used"] == "sim"
+        assert "engine_preemptions" in out["abandon"]["kvbudget"]
+        assert "budget_preemptions" in out["abandon"]["kvbudget"]
+        assert "budget_preemptions" not in out["abandon"]["vllm"]
+    # what the seeded memory tells a scheduler that takes it over: those outcomes, for a minute
+    s = Scheduler(Capacity(64, 16))
+    memory = svr.with_wait_outcomes(None, pressed)
+    assert svr.memory_bands(memory) == pressed
+    s.forecast.recall(memory, 5.0)
+    s.now = 5.0
+    assert s.forecast.wait_outcomes_by_band() == tuple(pressed)
+    assert s.forecast.unlikely_in_time(1.1, 1.0)  # only 1 in 20 served at that pressure
+    s.now = 5.0 + WAIT_OUTCOME_HORIZON_S + 1.0
+    assert s.forecast.wait_outcomes_by_band() == ((0, 0),) * 16
+
+
 def test_a_stalled_client_reads_what_came_meanwhile_when_the_stall_ends() -> None:
     """A stream served in time whose tokens came while the client was stalled is timed as that
     client read it: a first token at 1.5 s read at the end of a 1.0-2.5 s stall is 2.5 s late;
