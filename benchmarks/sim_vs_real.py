@@ -209,7 +209,7 @@ for _p in (str(ROOT / "src"), str(HERE)):
 
 import serve_bench as sb  # noqa: E402
 
-from kvbudget.core.config import SchedulerConfig  # noqa: E402
+from kvbudget.core.config import SHELL_TICK_INTERVAL_S, SchedulerConfig  # noqa: E402
 from kvbudget.core.cost import CostModel, StepTimeModel  # noqa: E402
 from kvbudget.core.forecast import ForecastMemory, wait_pressure_band_from  # noqa: E402
 from kvbudget.core.lengths import LengthModel  # noqa: E402
@@ -820,7 +820,9 @@ def simulate_workloads(
     :func:`with_wait_outcomes`), else, or with "sim", what its simulated runs of the workloads
     before taught it; its summary says both and which was used (``wait_outcomes_at_start``)."""
     send_times = replay.send_times if replay is not None else {}
-    engine = profile.engine_model()
+    # (the real servers' budgets tick their schedulers this often: a queued caller past its
+    # bound is turned away at most that late, and may be admitted in between)
+    engine = profile.engine_model(tick_s=SHELL_TICK_INTERVAL_S)
     engines = {
         s: attrs.evolve(engine, front_end=(front_ends or {}).get(s, engine.front_end))
         for s in servers
@@ -844,7 +846,8 @@ def simulate_workloads(
             engine_of = engines[server]
             if server in own:  # this run's own engine pace, from its own steps
                 engine_of = attrs.evolve(
-                    own[server].engine_model(), front_end=engines[server].front_end,
+                    own[server].engine_model(tick_s=SHELL_TICK_INTERVAL_S),
+                    front_end=engines[server].front_end,
                     intake_s=engines[server].intake_s,
                 )
             sent = send_times.get(name, {}).get(server)

@@ -685,6 +685,43 @@ def test_the_examples_turn_away_may_start_each_workload_from_what_the_real_one_h
     assert s.forecast.wait_outcomes_by_band() == ((0, 0),) * 16
 
 
+def test_the_simulated_servers_tick_as_the_real_ones_budgets_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real servers' budgets tick their schedulers every ``SHELL_TICK_INTERVAL_S`` (a
+    queued caller past its bound is turned away at most that late, and may be admitted in
+    between): the simulated ones tick as often, on the run's profile and on a repeat's own."""
+    import inspect
+
+    from kvbudget.budget import Budget
+    from kvbudget.core.config import SHELL_TICK_INTERVAL_S
+    from kvbudget.sim.engine_model import DEFAULT_TICK_S
+    from kvbudget.vllm import BudgetedEngine
+
+    for shell in (Budget.__init__, BudgetedEngine.__init__):
+        assert inspect.signature(shell).parameters["tick_interval"].default \
+            == SHELL_TICK_INTERVAL_S
+    assert DEFAULT_TICK_S != SHELL_TICK_INTERVAL_S  # (kvbudget simulate's own default differs)
+    ticks: list[float] = []
+    real_simulate = svr.simulate
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        ticks.append(args[2].tick_s)
+        return real_simulate(*args, **kw)
+
+    monkeypatch.setattr(svr, "simulate", spy)
+    profile = svr.load_profile(svr.DEFAULT_PROFILE, None)
+    plan = svr.plan_workload("burst", 0, TOK)
+    own = svr.Replay(
+        {"burst": {"kvbudget": {p.index: p.arrival_s for p in plan}}}, {},
+        profiles={"burst": {"kvbudget": profile}},
+    )
+    for replay in (None, own):
+        ticks.clear()
+        svr.simulate_workloads(["burst"], profile=profile, replay=replay)
+        assert ticks and set(ticks) == {SHELL_TICK_INTERVAL_S}
+
+
 def test_a_stalled_client_reads_what_came_meanwhile_when_the_stall_ends() -> None:
     """A stream served in time whose tokens came while the client was stalled is timed as that
     client read it: a first token at 1.5 s read at the end of a 1.0-2.5 s stall is 2.5 s late;

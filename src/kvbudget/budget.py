@@ -38,7 +38,7 @@ import attrs
 from anyio.streams.memory import MemoryObjectSendStream
 
 from kvbudget.core import events as ev
-from kvbudget.core.config import SchedulerConfig
+from kvbudget.core.config import SHELL_TICK_INTERVAL_S, SchedulerConfig
 from kvbudget.core.lifecycle import (
     LIVE_STATES,
     QUEUED_STATES,
@@ -574,7 +574,7 @@ class Budget:
         cost: CostModel | None = None,
         shutdown: ShutdownMode = "drain",
         confirm_timeout: float | None = None,
-        tick_interval: float = 0.05,
+        tick_interval: float = SHELL_TICK_INTERVAL_S,
         stall_timeout: float | None = None,
         engine: Engine | None = None,
         names: NameLimits | NameFolder | None = None,

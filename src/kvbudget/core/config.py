@@ -4,12 +4,17 @@ decisions), validated on construction."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
 from kvbudget.errors import InvalidInput
 from kvbudget.validate import check_float, integer, number, one_of, optional, quantile, seconds
+
+#: seconds between the ticks a shell sends its scheduler by default (``Budget``'s and
+#: ``BudgetedEngine``'s ``tick_interval``): a queued caller past its bound is turned away at most
+#: this late, and may be admitted in between (the simulator of a real server ticks as often)
+SHELL_TICK_INTERVAL_S: Final = 0.05
 
 
 def _weights(_inst: Any, _attr: Any, value: Any) -> None:
@@ -111,4 +116,4 @@ class SchedulerConfig:
         check_float("max_retry_after_s", self.max_retry_after_s, minimum=self.min_retry_after_s)
 
 
-__all__ = ["SchedulerConfig"]
+__all__ = ["SHELL_TICK_INTERVAL_S", "SchedulerConfig"]

@@ -58,7 +58,7 @@ import anyio.abc
 import attrs
 
 from kvbudget.budget import Budget, GenerationResult
-from kvbudget.core.config import SchedulerConfig
+from kvbudget.core.config import SHELL_TICK_INTERVAL_S, SchedulerConfig
 from kvbudget.core.model import Capacity, RequestSpec, ServiceClass, block_hashes
 from kvbudget.core.resume import Checkpoint
 from kvbudget.engines.base import EngineStep
@@ -1112,7 +1112,7 @@ class BudgetedEngine:
         stats: EngineStats | None = None,
         stall_timeout: float | None = None,
         confirm_timeout: float | None = None,
-        tick_interval: float = 0.05,
+        tick_interval: float = SHELL_TICK_INTERVAL_S,
         reconcile_interval: float | None = 0.5,
         confirm_probe_s: float = 0.05,
         model: str | None = None,
