@@ -1063,6 +1063,13 @@ def test_turn_away_at_arrival_reads_outcomes_at_the_callers_pressure() -> None:
     assert bands[wait_pressure_band(5.0)] == (MIN_WAIT_OUTCOMES, MIN_WAIT_OUTCOMES)
     assert bands[wait_pressure_band(0.8)] == (MIN_WAIT_OUTCOMES, 0)
     assert sum(seen for seen, _ in bands) == 2 * MIN_WAIT_OUTCOMES
+    # each row names its band's lowest pressure: a forecast there is in that band, one just
+    # below it in the band before
+    from kvbudget.core.forecast import WAIT_PRESSURE_BANDS, wait_pressure_band_from
+
+    for band in range(1, WAIT_PRESSURE_BANDS):
+        edge = wait_pressure_band_from(band)
+        assert wait_pressure_band(edge) == band and wait_pressure_band(0.999 * edge) == band - 1
     rows = snapshot_to_dict(snap)["wait_outcomes_by_band"]
     assert [r["pressure_from"] for r in rows[:4]] == [0.0, 0.5, 0.707, 1.0]
     assert rows[wait_pressure_band(0.8)] == {
