@@ -166,6 +166,24 @@ def test_deadline_service_quantile_flag(tmp_path: Path) -> None:
     assert on["rejected"] > off["rejected"] and on["decoded_tokens"] < off["decoded_tokens"]
 
 
+def test_tick_flag_sets_how_often_the_simulated_shell_ticks(tmp_path: Path) -> None:
+    """``--tick-ms``: how often the simulated shell ticks the scheduler (queue time-outs);
+    by default the simulator's 100 ms, with the flag a real Budget's 50 ms or any other; the
+    JSON's engine says which was used."""
+    from kvbudget.core.config import SHELL_TICK_INTERVAL_S
+    from kvbudget.sim.engine_model import DEFAULT_TICK_S
+
+    got = {}
+    for name, extra in (("default", []), ("shell", ["--tick-ms", "50"])):
+        out = tmp_path / f"{name}.json"
+        assert main([*TINY, "--policy", "calibrated", *extra, "--json", str(out)]) == 0
+        got[name] = json.loads(out.read_text())["engine"]["tick_s"]
+    assert got == {"default": DEFAULT_TICK_S, "shell": pytest.approx(SHELL_TICK_INTERVAL_S)}
+    for bad in ("0", "-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            main([*TINY, "--tick-ms", bad])
+
+
 def test_intake_flag_overrides_the_profiles(tmp_path: Path) -> None:
     """``--intake-ms``: the engine's time per arriving request; by default the profile's (the
     tiny CPU profile's, measured on bursts), else 0; the JSON's engine says which was used."""

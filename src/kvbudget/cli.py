@@ -145,7 +145,7 @@ def _positive_int(text: str) -> int:
 
 @subcommand("simulate")
 def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from kvbudget.core.config import SchedulerConfig
+    from kvbudget.core.config import SHELL_TICK_INTERVAL_S, SchedulerConfig
     from kvbudget.core.policy import POLICY_NAMES
     from kvbudget.sim.engine_model import (
         DEFAULT_ABORT_LATENCY_S,
@@ -153,6 +153,7 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         DEFAULT_CAPACITY_BLOCKS,
         DEFAULT_MAX_BATCH,
         DEFAULT_PREFILL_CHUNK_TOKENS,
+        DEFAULT_TICK_S,
     )
 
     p = sub.add_parser(
@@ -310,6 +311,13 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "the profile's, else 0)",
     )
     g.add_argument(
+        "--tick-ms",
+        type=_positive_float,
+        help="how often the simulated shell ticks the scheduler: a queued caller past its bound "
+        f"is turned away at the next tick (ms; default {1e3 * DEFAULT_TICK_S:g}, the figures in "
+        f"docs/benchmarks.md; a real Budget ticks every {1e3 * SHELL_TICK_INTERVAL_S:g})",
+    )
+    g.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="turn the engine's prefix cache off: every prompt is prefilled and charged in full",
@@ -415,6 +423,7 @@ def _engine_from(args: argparse.Namespace) -> Any:
         prefix_caching=base.prefix_caching and not args.no_prefix_cache,
         front_end=base.front_end,
         intake_s=base.intake_s if args.intake_ms is None else args.intake_ms / 1e3,
+        tick_s=base.tick_s if args.tick_ms is None else args.tick_ms / 1e3,
     )
 
 
