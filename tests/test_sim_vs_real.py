@@ -677,6 +677,9 @@ def test_the_examples_turn_away_may_start_each_workload_from_what_the_real_one_h
     s = Scheduler(Capacity(64, 16))
     memory = svr.with_wait_outcomes(None, pressed)
     assert svr.memory_bands(memory) == pressed
+    # the simulator's own carried outcomes are shown as a forecast reads them: the last minute's
+    later = attrs.evolve(memory, at=memory.at + WAIT_OUTCOME_HORIZON_S + 1.0)
+    assert svr.memory_bands(later) == [(0, 0)] * 16
     s.forecast.recall(memory, 5.0)
     s.now = 5.0
     assert s.forecast.wait_outcomes_by_band() == tuple(pressed)
