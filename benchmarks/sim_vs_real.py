@@ -93,12 +93,13 @@ on its forecast wait only where few recent queued callers forecast at about its 
 admitted in time (``SchedulerConfig.turn_away_wait_quantile``), so what it does in one workload
 hangs on the outcomes the workloads before left it, band by band of pressure. serve_bench records
 the real server's (its snapshot's ``wait_outcomes_by_band``) before each run, and the output sets
-them beside the simulator's at each workload's start. By default (``real``, where the run
-recorded them) the simulated server starts each workload from what the real server had learned
-then: like the send times and the engine's pace, a condition of the run replayed, so each
-workload is predicted from the real state rather than from a carried one that has drifted; with
-``sim`` it starts from what its simulated workloads before taught it, the state predicted too.
-Why (the thirty-fifth session): in one run the real example turned callers of the overload away
+them beside the simulator's at each workload's start. By default (``sim``) the simulated server
+starts each workload from what its simulated workloads before taught it: the state is predicted
+too. With ``real`` (where the run recorded them) it starts from what the real server had
+learned then, so one workload is predicted from the real state rather than from a carried one
+that may have drifted: a diagnosis, not the default, since over the thirty-fifth session's four
+recorded runs it missed 2 cells where the carried state missed 1 (docs/benchmarks.md). Why it
+exists (the thirty-fifth session): in one run the real example turned callers of the overload away
 from a forecast about twice their bound, in another of the same tree only past 2.8 times it, and
 the simulator, whose carried outcomes put the moderate workload's callers at a higher pressure
 than the real ones', followed the second; in a default run the simulated example's carried
@@ -803,7 +804,7 @@ def simulate_workloads(
     paced: Collection[str] = (),
     pace: str = "phases",
     servers: Sequence[str] = SERVERS,
-    wait_outcomes: str = "real",
+    wait_outcomes: str = "sim",
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``{workload: {server: summary}}`` of the simulated runs, workloads in serve_bench's order,
     each server's budget models carried from one workload to the next (module docstring).
@@ -820,9 +821,10 @@ def simulate_workloads(
     (:func:`paced_simulation`; "run"); each such summary says its ``step_scale``. ``servers``:
     the servers simulated (:func:`servers_in_order`; each with :func:`simulated_policy`).
     ``wait_outcomes``: what a budgeted server's turn-away at arrival knows at each workload's
-    start: where the replayed run recorded it, what the real server had learned then ("real",
-    :func:`with_wait_outcomes`), else, or with "sim", what its simulated runs of the workloads
-    before taught it; its summary says both and which was used (``wait_outcomes_at_start``)."""
+    start: what its simulated runs of the workloads before taught it ("sim") or, with "real"
+    where the replayed run recorded it, what the real server had learned then
+    (:func:`with_wait_outcomes`); its summary says both and which was used
+    (``wait_outcomes_at_start``)."""
     send_times = replay.send_times if replay is not None else {}
     # (the real servers' budgets tick their schedulers this often: a queued caller past its
     # bound is turned away at most that late, and may be admitted in between)
@@ -1888,13 +1890,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "each from the streams of its phase), and the example's on its engine "
                         "profile of each run where serve_bench kept one; or both at the "
                         f"profile's (none) (default {PACE_DEFAULT})")
-    p.add_argument("--wait-outcomes", choices=("real", "sim"), default="real",
+    p.add_argument("--wait-outcomes", choices=("sim", "real"), default="sim",
                    help="what the example's turn-away at arrival knows at each workload's "
-                        "start: what the real server had learned then, where serve_bench "
-                        "recorded it (real, the default: each workload predicted from the "
-                        "server's state at its start, as from its send times and pace; else "
-                        "sim) or what the simulated runs of the workloads before taught it "
-                        "(sim: the state predicted too)")
+                        "start: what the simulated runs of the workloads before taught it "
+                        "(sim, the default: the state predicted too) or what the real server "
+                        "had learned then, where serve_bench recorded it (real: each workload "
+                        "predicted from the server's state at its start)")
     p.add_argument("--policy", default=None,
                    help="the kvbudget example's policy (default: the run's, else calibrated)")
     p.add_argument("--example-arg", action="append", default=None, metavar="ARG",
@@ -2123,6 +2124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if windows:
             print(f"# {server}'s pace per window of its run, first to last (--pace phases, the "
                   f"first run): {windows}")
+    started = "the real one" if opts.wait_outcomes == "real" else "its own (--wait-outcomes sim)"
     for server in servers:
         starts = [
             (w, sim[w][server]["wait_outcomes_at_start"]) for w in sim
@@ -2133,7 +2135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"# {server}'s turn-away evidence at each workload's start (wait outcomes by "
                   f"pressure from: in time/seen; the real server's | what the simulated "
                   f"workload before left, the first run; each simulated workload started "
-                  f"from the {opts.wait_outcomes} one where recorded):")
+                  f"from {started}):")
             for w, bands in starts:
                 print(f"#   {w}: {format_bands(bands['real'])} | {format_bands(bands['sim'])}")
     drifts = machine_drifts(run_dir) if run_dir is not None else []

@@ -634,9 +634,9 @@ def test_the_examples_turn_away_may_start_each_workload_from_what_the_real_one_h
 ) -> None:
     """serve_bench records the example's wait outcomes by band before each run; sim_vs_real
     reads them, reports them beside the simulator's own at each workload's start, and with
-    ``wait_outcomes="real"`` starts the simulated turn-away from them (each counting for a
-    minute from the workload's start), not from what its simulated workloads before taught it.
-    """
+    ``wait_outcomes="real"`` (not the default) starts the simulated turn-away from them (each
+    counting for a minute from the workload's start), not from what its simulated workloads
+    before taught it."""
     from kvbudget.core.forecast import MIN_WAIT_OUTCOMES, WAIT_OUTCOME_HORIZON_S
     from kvbudget.core.model import Capacity
     from kvbudget.core.scheduler import Scheduler
@@ -660,6 +660,7 @@ def test_the_examples_turn_away_may_start_each_workload_from_what_the_real_one_h
     assert replay.wait_outcomes["abandon"]["kvbudget"] == pressed
     assert svr.format_bands(pressed) == f"1:1/{MIN_WAIT_OUTCOMES + 4}"
     assert svr.format_bands([]) == "none"
+    assert svr.parse_args(["--sim-only"]).wait_outcomes == "sim"  # (the default: predicted)
     for mode in ("sim", "real"):
         out = svr.simulate_workloads(
             ["burst", "abandon"], profile=svr.load_profile(svr.DEFAULT_PROFILE, None),
