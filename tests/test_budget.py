@@ -14,6 +14,7 @@ from _kvb_helpers import quiet_structlog, spec, task_count  # noqa: F401 (autous
 from kvbudget import (
     BATCH,
     INTERACTIVE,
+    AlreadyReleased,
     Budget,
     BudgetClosed,
     Capacity,
@@ -373,6 +374,59 @@ async def test_preemption_and_resumption_of_a_lease() -> None:
     await batch.__aexit__(None, None, None)
     assert budget.confirm_release("b", attempt=1)
     assert budget.snapshot().reserved_blocks == 0
+
+
+@pytest.mark.parametrize("waiting", [False, True])
+async def test_a_preempted_lease_whose_last_token_came_before_the_preemption_landed_completes(
+    waiting: bool,
+) -> None:
+    # (found by test_budget_stateful.py in CI: confirmed, such a request became a checkpoint
+    # with nothing left to generate, and asking its policy for an allowance in [1, 0] raised
+    # PolicyViolation out of confirm_release, leaving it checkpointed but in no queue)
+    budget = Budget(Capacity(24, 16), lengths=short_lengths())
+    batch = await budget.lease(spec(prompt=200, max_tokens=4, cls="batch"), "b").__aenter__()
+    batch.charge(3)
+    done = anyio.Event()
+    told: list[BaseException] = []
+
+    async def interactive() -> None:
+        async with budget.lease(spec(prompt=200, max_tokens=120), "i") as lease:
+            lease.charge(2)
+            await done.wait()
+        budget.confirm_release("i")
+
+    async def wait_to_resume() -> None:
+        try:
+            await batch.wait_resumed()
+        except AlreadyReleased as exc:
+            told.append(exc)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(interactive)
+            while not batch.preemptions:
+                await anyio.sleep(0.001)
+            with pytest.raises(Preempted):
+                batch.charge()  # its 4th and last token, before the preemption landed
+            assert budget.scheduler.requests["b"].generated == 4
+            if waiting:  # its caller already waits to resume when the engine confirms
+                tg.start_soon(wait_to_resume)
+                await anyio.sleep(0.01)
+            assert budget.confirm_release("b", attempt=0)
+            # it finished at its hard max: completed, not a checkpoint with nothing to resume,
+            # and a caller waiting to resume (or about to) is told so rather than left waiting
+            assert "b" not in budget.scheduler.requests
+            if not waiting:
+                await wait_to_resume()
+            while not told:
+                await anyio.sleep(0.001)
+            assert told[0].request_id == "b"
+            await batch.__aexit__(None, None, None)
+            done.set()
+    snap = budget.snapshot()
+    assert snap.by_class["batch"].completed == 1 and snap.by_class["batch"].failed == 0
+    assert snap.queued == 0 and snap.reserved_blocks == 0 and snap.policy_faults == 0
+    assert budget.pending_leases == 0
 
 
 @pytest.mark.parametrize("give_up", ["cancel", "fail", "exit-with-error"])

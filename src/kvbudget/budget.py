@@ -53,6 +53,7 @@ from kvbudget.core.scheduler import Scheduler
 from kvbudget.core.stats import Snapshot
 from kvbudget.engines.base import Engine, EngineStep, engine_request_id
 from kvbudget.errors import (
+    AlreadyReleased,
     BudgetClosed,
     ContinuationRequired,
     DuplicateRequest,
@@ -307,11 +308,14 @@ class Lease:
     async def wait_resumed(self) -> Checkpoint:
         """After a Preempted: wait until the budget re-admits the request; returns the
         checkpoint to resume from. Raises Preempted (reason ``deadline``) if the request's
-        deadline passed while it waited, or BudgetClosed. Cancellation while waiting gives the
-        place up at no cost."""
+        deadline passed while it waited, AlreadyReleased if it finished instead (its last
+        token, charged after the preemption was decided, was its hard max: the engine confirmed
+        the stop with nothing left to generate), or BudgetClosed. Cancellation while waiting
+        gives the place up at no cost."""
         ckpt = self.checkpoint
-        if self._ended and isinstance(self._interrupt, Preempted):
-            raise self._interrupt  # its deadline passed while it waited
+        if self._ended and isinstance(self._interrupt, Preempted | AlreadyReleased):
+            # its deadline passed while it waited, or it finished before its preemption landed
+            raise self._interrupt
         if (
             ckpt is None
             or self._ended
@@ -810,6 +814,11 @@ class Budget:
                 )
                 if not a.resumable:
                     leases.pop(rid, None)
+                    if not lease._ended:
+                        # a preempted request whose last token came before its preemption
+                        # landed finished: its caller, waiting to resume, has nothing to resume
+                        lease._ended = True
+                        lease._interrupt = AlreadyReleased(rid, "wait_resumed")
                 lease._wake()
 
     # -- the task group, ticker and shutdown ---------------------------------------------------

@@ -548,6 +548,11 @@ class Scheduler:
         if req.state is State.RELEASING:
             lifecycle.transition(req, Trigger.FINISH)
             return []
+        self._finish(req, now)
+        return self._pass_after(now)
+
+    def _finish(self, req: Request, now: float) -> None:
+        """``req`` ended by itself or at its hard max: completed."""
         was_preempting = req.state is State.PREEMPTING
         self._stop(req, Trigger.FINISH, now, Outcome.COMPLETED)
         if was_preempting:
@@ -558,7 +563,6 @@ class Scheduler:
                 req.key, req.allowance, req.generated, req.cls.initial_quantile
             )
         self._notify("on_finished", req.request_id, req, req.generated)
-        return self._pass_after(now)
 
     def cancel(self, request_id: str, now: float) -> list[ev.Action]:
         """The caller went away.
@@ -676,6 +680,11 @@ class Scheduler:
         return self._release(req, now, [])
 
     def _release(self, req: Request, now: float, actions: list[ev.Action]) -> list[ev.Action]:
+        if req.state is State.PREEMPTING and req.remaining <= 0:
+            # its last token came before the preemption landed: an engine stops a request at
+            # its hard max by itself, so it finished, and there is nothing left to resume
+            # (checkpointed, it would ask for an allowance of at most 0 tokens)
+            self._finish(req, now)
         preempting = req.state is State.PREEMPTING
         freed = self.ledger.release(req)
         self._stopping.pop(req.request_id, None)

@@ -386,7 +386,12 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 sh.blocks = 0
                 sh.prefix = sh.spec.prefix_blocks
                 sh.shared_at_grant = 0
-                if sh.stop_kind == "preempt" and sh.end is None:
+                if sh.stop_kind == "preempt" and sh.end is None and sh.generated >= hard:
+                    # its last token came before the preemption landed: it finished
+                    assert a.outcome == "completed" and not a.resumable, a
+                    self._end(sh, "completed")
+                    sh.phase = "ended"
+                elif sh.stop_kind == "preempt" and sh.end is None:
                     assert a.outcome == "preempted" and a.resumable, a
                     sh.phase = "checkpointed"
                 else:
@@ -531,6 +536,34 @@ class BudgetStateMachine(RuleBasedStateMachine):
             return list(out)
 
         self._call(f"charge:{rid}", go)
+
+    def _writes_after_stop(self, sh: Shadow) -> bool:
+        """Is ``sh`` stopped with tokens still in flight: the engine holds its KV yet and may
+        write up to what it would have written running?"""
+        return (sh.rid, sh.instance) in self.stale and sh.generated < self._gen_limit(sh)
+
+    @precondition(lambda self: self._has(("stopped",), self._writes_after_stop))
+    @rule(i=st.integers(0, 1000), n=st.integers(1, 8))
+    def generate_after_stop(self, i: int, n: int) -> None:
+        """Tokens the engine made after the stop was sent (nobody receives them; a preempted
+        request's checkpoint keeps them), its hard max included: one whose last token comes
+        before its preemption lands finished (its confirmation ends it as completed)."""
+        self._rule()
+        sh = self._pick(i, ("stopped",), self._writes_after_stop)
+        assert sh is not None
+        n = min(n, self._gen_limit(sh) - sh.generated)
+        rid = sh.rid
+
+        def go() -> Sequence[ev.Action]:
+            out = self.sched.charge(rid, n, self.now)
+            sh.generated += n
+            key = (rid, sh.instance)  # (the engine holds the blocks the tokens opened)
+            self.stale[key] = blocks_for(
+                sh.spec.prompt_tokens + sh.generated, self.sched.capacity.block_size
+            ) - len(self.stale_prefix[key])
+            return list(out)
+
+        self._call(f"charge-after-stop:{rid}", go)
 
     @precondition(lambda self: self._has(("running",)))
     @rule(
