@@ -244,10 +244,14 @@ class RequestOptions:
     durable: bool = False
     on_exhausted: Literal["extend", "continue"] = "extend"
     deadline: float | None = None
+    #: when the server received the request, on the budget's clock (``budget.now()``): the
+    #: caller's first-token objective runs from then, not from after parsing and tokenizing
+    received_at: float | None = None
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``BudgetedEngine.generate``."""
         return {
+            "received_at": self.received_at,
             "service_class": self.service_class,
             "tenant": self.tenant,
             "task": self.task,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import pathlib
@@ -416,6 +417,7 @@ class Server:
     async def handle(self, request: Request, chat: bool) -> Response:
         if self.engine is None:
             return error_response(503, "the engine is not running", "server_error")
+        received_at = self.engine.budget.now()
         try:
             raw = await request.body()
             try:
@@ -423,6 +425,7 @@ class Server:
             except (ValueError, RecursionError) as exc:
                 raise _common.BadRequest(f"the body is not valid JSON: {exc}") from None
             opts, ids, sampling = self.parse(request, body, chat)
+            opts = dataclasses.replace(opts, received_at=received_at)
         except (_common.BadRequest, _common.ModelNotFound, Forbidden) as exc:
             return exception_response(exc)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

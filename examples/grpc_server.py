@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import pathlib
@@ -156,9 +157,10 @@ class KvBudgetServicer:
         from vllm import TokensPrompt
 
         pb = self.pb
+        received_at = self.engine.budget.now()
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         try:
-            opts = self._options(request, context)
+            opts = dataclasses.replace(self._options(request, context), received_at=received_at)
             if request.model and request.model != self.model:
                 raise _common.ModelNotFound(request.model)
             ids = self._prompt(request)

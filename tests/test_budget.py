@@ -24,6 +24,7 @@ from kvbudget import (
     EngineStalled,
     GenerationResult,
     HardLimitExceeded,
+    InvalidInput,
     InvalidTransition,
     Lease,
     Overloaded,
@@ -259,6 +260,53 @@ async def test_queued_caller_rejected_by_tick_gets_overloaded() -> None:
         assert info.value.reason == "queue-timeout" and info.value.retry_after > 0
         assert 0.09 <= waited < 0.5
         assert budget.snapshot().queued == 0
+
+
+@pytest.mark.parametrize("how", ["lease", "generate"])
+async def test_a_queued_callers_bound_runs_from_when_the_server_received_it(how: str) -> None:
+    """``received_at`` (on the budget's clock, :meth:`Budget.now`): a caller the server held
+    for 0.2 s before it reached the budget waits 0.1 s more of its 0.3 s bound, not 0.3 s."""
+    fast = ServiceClass(
+        "interactive", protected=True, preemptible=False, max_queue_delay_s=0.3,
+        initial_quantile=0.5,
+    )
+    budget = Budget(Capacity(40, 16), classes=[fast, BATCH], tick_interval=0.01)
+    engine = SimEngine()
+    async with budget, budget.lease(spec(prompt=400, max_tokens=600), "big"):
+        t0 = anyio.current_time()
+        with pytest.raises(Overloaded) as info:
+            received = budget.now() - 0.2
+            big = spec(prompt=400, max_tokens=600)
+            if how == "lease":
+                async with budget.lease(big, "late", received_at=received):
+                    pass
+            else:
+                steps = budget.generate(engine, big, request_id="late", received_at=received)
+                async with aclosing(steps):
+                    async for _ in steps:
+                        pass
+        waited = anyio.current_time() - t0
+        assert info.value.reason == "queue-timeout"
+        assert 0.08 <= waited < 0.25
+        assert budget.snapshot().queued == 0
+
+
+@pytest.mark.parametrize("received_at", [float("nan"), float("inf"), True, "now", 60.0])
+async def test_a_receipt_that_is_not_a_time_before_the_arrival_is_refused_and_leaves_nothing(
+    received_at: object,
+) -> None:
+    budget = Budget(Capacity(40, 16))
+    async with budget:
+        late = received_at == 60.0
+        with pytest.raises(InvalidInput) as info:
+            at = budget.now() + 60.0 if late else received_at
+            async with budget.lease(spec(), "a", received_at=at):  # type: ignore[arg-type]
+                pass
+        assert info.value.field == "received_at"
+        snap = budget.snapshot()
+        assert snap.queued == snap.active == snap.reserved_blocks == 0
+        async with budget.lease(spec(), "a", received_at=budget.now()) as lease:
+            lease.charge(1)
 
 
 async def test_cancelled_waiter_leaves_the_queue_at_no_cost() -> None:

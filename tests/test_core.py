@@ -1339,6 +1339,37 @@ def test_queue_timeout_rejects_via_tick() -> None:
     assert "w" not in s.requests and s.requests["hog"].blocks == 4
 
 
+def test_a_callers_queue_bound_and_deadline_run_from_when_the_server_received_it() -> None:
+    """``arrive(received_at=)``: a server that parsed and tokenized a request for 0.8 s before
+    it reached the budget; its 2 s queue bound (and its deadline) run from the receipt, as its
+    caller's clock does: turned away at 1.3 s after its arrival, not 2.0 s. A caller without
+    it keeps the bound from its arrival."""
+    s = Scheduler(Capacity(4, 4), policy=ReserveMaxFront())
+    s.arrive("hog", spec(prompt=4, max_tokens=12, cls="interactive"), 0.0)
+    late = spec(prompt=4, max_tokens=12, cls="interactive", deadline=5.0)
+    assert not of(s.arrive("w", late, 1.0, received_at=0.2), ev.Admit)
+    assert not of(s.arrive("v", late, 1.0), ev.Admit)
+    w, v = s.requests["w"], s.requests["v"]
+    assert (w.arrival, w.deadline_at) == (0.2, 5.2)
+    assert (v.arrival, v.deadline_at) == (1.0, 6.0)
+    assert not of(s.tick(2.1), ev.Reject)
+    out = s.tick(2.3)
+    assert [r.request_id for r in of(out, ev.Reject)] == ["w"]
+    assert of(out, ev.Reject)[0].reason == "queue-timeout"
+    assert of(s.tick(3.1), ev.Reject, "v")
+
+
+@pytest.mark.parametrize("received_at", [math.nan, math.inf, -math.inf, True, "0.5", 1.5])
+def test_a_receipt_that_is_not_a_time_before_the_arrival_is_refused(received_at: Any) -> None:
+    s = Scheduler(Capacity(64, 4), policy=Fixed())
+    s.tick(1.0)
+    e = raises_unchanged(
+        s, InvalidInput, lambda: s.arrive("a", spec(), 1.0, received_at=received_at)
+    )
+    assert e.field == "received_at"
+    assert of(s.arrive("a", spec(), 1.0, received_at=1.0), ev.Admit)
+
+
 def test_callers_turned_away_after_queueing_are_counted_by_what_held_them() -> None:
     """``Snapshot.turned_away_held_by``: the head held for room counts as "no-room", a caller
     never judged as head (behind it) by what held that head, and ``turned_away_behind`` counts

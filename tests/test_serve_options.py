@@ -78,3 +78,89 @@ def test_keep_alive_option_then_vllms_variable_then_the_default(
         monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", bad)
         with pytest.raises(InvalidInput, match="VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
             keep_alive_seconds(args)
+
+
+def test_the_middleware_stamps_each_requests_receipt_on_the_budgets_clock() -> None:
+    """What ``BudgetedClient.generate`` passes on as ``received_at``: the middleware's clock
+    read when the request reached it, before vLLM's handler parsed and tokenized it."""
+    import asyncio
+
+    from kvbudget.serve import _EXCHANGE, BudgetOptionsMiddleware
+
+    ticks = iter([41.5, 99.0])
+    seen: list[tuple[float | None, str]] = []
+
+    async def app(scope: object, receive: object, send: object) -> None:
+        exchange = _EXCHANGE.get()
+        assert exchange is not None
+        seen.append((exchange.received_at, exchange.options.service_class))
+
+    middleware = BudgetOptionsMiddleware(app, clock=lambda: next(ticks))
+    scope = {"type": "http", "headers": [(b"x-kvbudget-class", b"batch")]}
+
+    async def nothing() -> dict[str, object]:
+        return {}
+
+    async def discard(message: dict[str, object]) -> None:
+        pass
+
+    asyncio.run(middleware(scope, nothing, discard))
+    assert seen == [(41.5, "batch")]
+    assert _EXCHANGE.get() is None
+
+
+def test_the_client_passes_the_receipt_and_the_options_to_the_budget() -> None:
+    from kvbudget.serve import _EXCHANGE, BudgetedClient, _Exchange
+
+    class Recorder:  # (the glue under test hands everything to BudgetedEngine.generate)
+        engine = None
+
+        def __init__(self) -> None:
+            self.calls: list[dict[str, object]] = []
+
+        def generate(self, *args: object, **kwargs: object) -> object:
+            self.calls.append(kwargs)
+            return iter(())
+
+    rec = Recorder()
+    client = BudgetedClient(rec)  # type: ignore[arg-type]
+    client.generate("p", None, "r0")
+    token = _EXCHANGE.set(_Exchange(RequestOptions(tenant="acme"), 12.25))
+    try:
+        client.generate("p", None, "r1")
+    finally:
+        _EXCHANGE.reset(token)
+    assert rec.calls[0]["received_at"] is None
+    assert rec.calls[1]["received_at"] == 12.25 and rec.calls[1]["tenant"] == "acme"
+    assert all(call["arrive_now"] is True for call in rec.calls)
+
+
+def test_vllms_stream_loggers_drop_a_turned_away_callers_traceback_and_keep_the_rest() -> None:
+    import logging
+
+    from kvbudget.errors import Overloaded
+    from kvbudget.serve import VLLM_STREAM_LOGGERS, QuietOverloaded, quiet_vllm_overloaded
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    quiet_vllm_overloaded()
+    quiet_vllm_overloaded()  # once is enough: no second filter
+    for name in VLLM_STREAM_LOGGERS:
+        logger = logging.getLogger(name)
+        assert sum(isinstance(f, QuietOverloaded) for f in logger.filters) == 1
+        records.clear()
+        handler = Keep()
+        logger.addHandler(handler)
+        try:
+            for exc in (Overloaded(1.5, "queue-timeout", "r"), ValueError("a real bug")):
+                try:
+                    raise exc
+                except Exception:
+                    logger.exception("Error in completion stream generator.")
+        finally:
+            logger.removeHandler(handler)
+        assert [type(r.exc_info[1]) for r in records if r.exc_info] == [ValueError]

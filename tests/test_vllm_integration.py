@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 import pathlib
 import signal
@@ -861,6 +862,44 @@ def test_malformed_token_ids_are_invalid_input_and_hold_nothing(env: _Env) -> No
     assert fields == ["prompt_token_ids"] * len(bad_prompts)
     assert held == 0
     assert len(got) == 4
+
+
+def test_the_servers_receipt_reaches_the_budget_and_a_bad_one_holds_nothing(env: _Env) -> None:
+    """``generate(received_at=)``: the core's request counts its objectives from the receipt
+    (arriving now, lazily, and for each of ``n`` samples); a receipt later than the arrival, or
+    not a finite number, is InvalidInput and the budget holds nothing afterwards."""
+    from kvbudget.errors import InvalidInput
+
+    async def main() -> tuple[dict[str, float], list[float], list[str], int]:
+        be = env.budgeted(prefill_probes=0)
+        arrivals: dict[str, float] = {}
+        async with be:
+            sched = be.budget.scheduler
+            stamp = be.budget.now() - 0.25
+            two = _sp(4, n=2, temperature=1.0)
+            cases = [("now", _sp(4), True), ("lazy", _sp(4), False), ("two", two, True)]
+            for rid, sp, now in cases:
+                async for _ in be.generate(
+                    _prompt(30), sp, rid, arrive_now=now, received_at=stamp
+                ):
+                    for key, req in sched.requests.items():
+                        arrivals.setdefault(key, req.arrival)
+            fields = []
+            for i, bad in enumerate([be.budget.now() + 60.0, math.nan, math.inf]):
+                with pytest.raises(InvalidInput) as info:
+                    async for _ in be.generate(
+                        _prompt(30), _sp(4), f"bad-{i}", arrive_now=i == 0, received_at=bad
+                    ):
+                        pass
+                fields.append(info.value.field)
+            await _settle(be)
+            return arrivals, [stamp], fields, be.snapshot().reserved_blocks
+
+    arrivals, (stamp,), fields, held = env.run(main())
+    assert set(arrivals) == {"now", "lazy", "0_two", "1_two"}
+    assert all(at == stamp for at in arrivals.values()), arrivals
+    assert fields == ["received_at"] * 3
+    assert held == 0
 
 
 def test_without_probes_the_cost_model_starts_unmeasured(env: _Env) -> None:

@@ -165,6 +165,7 @@ class Lease:
         "_event",
         "_handed",
         "_interrupt",
+        "_received_at",
         "_req",
         "_resume",
         "attempt",
@@ -174,9 +175,18 @@ class Lease:
         "spec",
     )
 
-    def __init__(self, budget: Budget, spec: RequestSpec, request_id: str) -> None:
+    def __init__(
+        self,
+        budget: Budget,
+        spec: RequestSpec,
+        request_id: str,
+        received_at: float | None = None,
+    ) -> None:
         if not isinstance(spec, RequestSpec):
             raise InvalidInput("spec", spec, "a kvbudget.RequestSpec")
+        if received_at is not None:
+            received_at = check_float("received_at", received_at, minimum=-math.inf)
+        self._received_at = received_at
         self._budget = budget
         self.spec = spec
         self.request_id = request_id
@@ -447,7 +457,7 @@ class Lease:
         sched = budget._sched
         now = self._clock()
         try:
-            actions = sched.arrive(rid, self.spec, now)
+            actions = sched.arrive(rid, self.spec, now, received_at=self._received_at)
         except Exception:
             # (a policy answer refused in the admission pass: the caller gets the error, and
             # the request the core queued for it is given up, not left to be admitted for
@@ -662,11 +672,30 @@ class Budget:
 
     # -- leases --------------------------------------------------------------------------------
 
-    def lease(self, spec: RequestSpec, request_id: str | None = None) -> Lease:
-        """A lease for one request; enter it (``async with``) to wait for admission."""
+    def lease(
+        self,
+        spec: RequestSpec,
+        request_id: str | None = None,
+        *,
+        received_at: float | None = None,
+    ) -> Lease:
+        """A lease for one request; enter it (``async with``) to wait for admission.
+
+        ``received_at``: when the server received the request, on this budget's clock
+        (:meth:`now`), if that was before it arrives at the budget: the request's first-token
+        objective, queue delay and deadline then run from that moment, as its caller's clock
+        does, not from the arrival after the server's parsing and tokenization. Not a finite
+        number, or later than the arrival: InvalidInput."""
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise InvalidInput("request_id", request_id, "a non-empty string or None")
-        return Lease(self, self.names.fold(spec), request_id or self.new_request_id())
+        return Lease(
+            self, self.names.fold(spec), request_id or self.new_request_id(), received_at
+        )
+
+    def now(self) -> float:
+        """The budget's clock (``clock``, by default ``time.monotonic``): what a server stamps
+        a request's receipt with (``received_at``)."""
+        return self._clock()
 
     def confirm_release(self, request_id: str, *, attempt: int | None = None) -> bool:
         """The engine confirms that the stopped request's KV is free: its blocks return now.
@@ -958,13 +987,15 @@ class Budget:
         sink: Sink | None = None,
         stall_timeout: float | None = None,
         arrive_now: bool = False,
+        received_at: float | None = None,
     ) -> AsyncGenerator[GenerationStep, None]:
         """Run one request end to end over ``engine``; yields a :class:`GenerationStep` per step.
 
         ``arrive_now``: the request arrives at the budget during this call, so that a refusal
         raises :class:`~kvbudget.errors.Overloaded` here, before anything is awaited (a server
         answers 429 before it starts a response); a returned iterator that is dropped without
-        being started gives its place (or its admission) up.
+        being started gives its place (or its admission) up. ``received_at``: when the server
+        received the request, on the budget's clock (:meth:`lease`).
 
         Admission through a lease (Overloaded at once if refused), every step charged, the
         engine pulled only inside the grant (at the boundary the driver waits for the
@@ -978,7 +1009,9 @@ class Budget:
         for non-durable requests when given). Use ``contextlib.aclosing`` to close the iterator
         promptly when breaking out of the loop. Requires ``async with budget``.
         """
-        return self._start(engine, spec, request_id, sink, stall_timeout, arrive_now, False)
+        return self._start(
+            engine, spec, request_id, sink, stall_timeout, arrive_now, False, received_at
+        )
 
     def generate_payloads(
         self,
@@ -989,12 +1022,15 @@ class Budget:
         sink: Sink | None = None,
         stall_timeout: float | None = None,
         arrive_now: bool = False,
+        received_at: float | None = None,
     ) -> AsyncGenerator[Any, None]:
         """:meth:`generate`, yielding each step's engine payload (``EngineStep.payload``, e.g. a
         vLLM ``RequestOutput``) rather than a :class:`GenerationStep`; steps without a payload
         are charged and not yielded. For adapters that translate the engine's own outputs and
         read nothing else of a step: one object fewer built on every token."""
-        return self._start(engine, spec, request_id, sink, stall_timeout, arrive_now, True)
+        return self._start(
+            engine, spec, request_id, sink, stall_timeout, arrive_now, True, received_at
+        )
 
     def _start(
         self,
@@ -1005,17 +1041,19 @@ class Budget:
         stall_timeout: float | None,
         arrive_now: bool,
         payloads: bool,
+        received_at: float | None,
     ) -> AsyncGenerator[Any, None]:
         if not self._running or self._closed:
             raise BudgetClosed()
         if self.engine is None:
             self.engine = engine
-        spec = self.names.fold(spec)
         rid = request_id or self.new_request_id()
         stall = stall_timeout if stall_timeout is not None else self.stall_timeout
-        lease = None
+        # (made now, arrived or not: its spec and received_at are checked here, and a lazy
+        # generator's request arrives with them when it starts)
+        lease = self.lease(spec, rid, received_at=received_at)
+        spec = lease.spec
         if arrive_now:
-            lease = self.lease(spec, rid)
             lease.arrive()
         if spec.durable:
             gen = self._durable(engine, spec, rid, sink, stall, lease, payloads)
@@ -1023,7 +1061,7 @@ class Budget:
             gen = self._steps(engine, spec, rid, _Holder(), stall, lease, payloads)
         else:
             gen = self._inline(engine, spec, rid, sink, stall, lease, payloads)
-        if lease is not None:
+        if arrive_now:
             weakref.finalize(gen, _give_up_unstarted, lease)
         return gen
 

@@ -30,11 +30,13 @@ import asyncio
 import contextlib
 import contextvars
 import json
+import logging
 import math
 import os
 import pathlib
 import sys
-from collections.abc import AsyncGenerator, Coroutine, Iterable, Mapping
+import time
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -94,13 +96,16 @@ class RequestOptions:
 
 
 class _Exchange:
-    """One HTTP exchange as the middleware and the client share it: the budget options, and
-    the Overloaded that ended a stream before its first output (then answered as 429)."""
+    """One HTTP exchange as the middleware and the client share it: the budget options, its
+    receipt, and the Overloaded that ended a stream before its first output (then answered as
+    429)."""
 
-    __slots__ = ("options", "rejected", "replaced")
+    __slots__ = ("options", "received_at", "rejected", "replaced")
 
-    def __init__(self, options: RequestOptions) -> None:
+    def __init__(self, options: RequestOptions, received_at: float | None = None) -> None:
         self.options = options
+        #: when the middleware received the request, on the budget's clock
+        self.received_at = received_at
         self.rejected: Overloaded | None = None
         self.replaced = False
 
@@ -155,15 +160,21 @@ class BudgetOptionsMiddleware:
     the start of a streaming response is held until its first body chunk: if by then the
     stream ended with ``Overloaded`` before any output, the exchange is answered 429 with
     ``Retry-After`` instead (the first token comes no later for it: it is in that chunk).
+
+    It also stamps the request's receipt on the budget's ``clock``: vLLM parses, validates and
+    tokenizes a request before it reaches the budget, tens of milliseconds under load, and the
+    caller's first-token objective runs from its receipt (``received_at``).
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, clock: Callable[[], float] = time.monotonic) -> None:
         self.app = app
+        self.clock = clock
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
+        received_at = self.clock()
         headers = scope.get("headers", ())
         try:
             options = options_from_headers(headers)
@@ -181,7 +192,7 @@ class BudgetOptionsMiddleware:
             body = _error_body(str(exc), "permission_error", "permission_denied", "class")
             await _send_json(send, 403, body, {})
             return
-        exchange = _Exchange(options)
+        exchange = _Exchange(options, received_at)
         held: dict[str, Any] | None = None
 
         async def send_held(message: dict[str, Any]) -> None:
@@ -285,7 +296,11 @@ class BudgetedClient:
         self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any
     ) -> AsyncGenerator[Any, None]:
         exchange = _EXCHANGE.get()
-        opts = exchange.options if exchange is not None else _DEFAULT_OPTIONS
+        opts, received_at = (
+            (exchange.options, exchange.received_at)
+            if exchange is not None
+            else (_DEFAULT_OPTIONS, None)
+        )
         engine_kwargs = {k: v for k, v in kwargs.items() if v is not None}
         if engine_kwargs.get("priority") == 0:
             del engine_kwargs["priority"]
@@ -300,6 +315,7 @@ class BudgetedClient:
             durable=opts.durable,
             deadline=opts.deadline,
             on_exhausted="continue" if opts.on_exhausted == "continue" else "extend",
+            received_at=received_at,
             **engine_kwargs,
         )
         return stream if exchange is None else _watched(stream, exchange)
@@ -324,6 +340,36 @@ async def _watched(
             raise
 
 
+#: vLLM's loggers that log an exception ending a stream with its traceback, at ERROR
+VLLM_STREAM_LOGGERS: tuple[str, ...] = (
+    "vllm.entrypoints.openai.completion.serving",
+    "vllm.entrypoints.openai.chat_completion.serving",
+)
+
+
+class QuietOverloaded(logging.Filter):
+    """Drops a log record whose exception is :class:`~kvbudget.errors.Overloaded`.
+
+    vLLM's stream generators log the exception that ends a stream with its traceback at ERROR
+    ("Error in completion stream generator."). A caller the budget queued and then turned away
+    ends its stream with Overloaded, which :class:`BudgetOptionsMiddleware` answers 429 and
+    kvbudget's own ``rejection`` event reports: a 17-line traceback per caller, at the height
+    of an overload, is noise to the operator and costs the front end the time its streams need.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, Overloaded)
+
+
+def quiet_vllm_overloaded() -> None:
+    """Put :class:`QuietOverloaded` on :data:`VLLM_STREAM_LOGGERS` (once)."""
+    for name in VLLM_STREAM_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, QuietOverloaded) for f in logger.filters):
+            logger.addFilter(QuietOverloaded())
+
+
 def install(
     app: Any,
     engine: BudgetedEngine,
@@ -337,8 +383,11 @@ def install(
     header middleware (the key's tenant and allowed classes win over the headers: 403), the
     429/400 handlers, ``GET /kvbudget/snapshot``, ``GET /kvbudget/engine-profile`` (the engine
     profile fitted from the steps run since start; 409 before any decode step) and the
-    Prometheus exporter. Returns the exporter."""
+    Prometheus exporter; vLLM's stream loggers stop logging a turned-away caller's traceback
+    (:func:`quiet_vllm_overloaded`). Returns the exporter."""
     from fastapi.responses import JSONResponse
+
+    quiet_vllm_overloaded()
 
     from kvbudget.observability import PrometheusExporter, snapshot_to_dict
 
@@ -386,7 +435,7 @@ def install(
 
     # vLLM's build_app has built the middleware stack already: add ours and let it rebuild;
     # the guard outermost (a request too large or without a key is answered before anything)
-    app.user_middleware.insert(0, Middleware(BudgetOptionsMiddleware))
+    app.user_middleware.insert(0, Middleware(BudgetOptionsMiddleware, clock=engine.budget.now))
     app.user_middleware.insert(
         0,
         Middleware(
@@ -599,8 +648,10 @@ def main(argv: list[str] | None = None) -> int:
 
 __all__ = [
     "HEADERS",
+    "VLLM_STREAM_LOGGERS",
     "BudgetOptionsMiddleware",
     "BudgetedClient",
+    "QuietOverloaded",
     "RequestOptions",
     "install",
     "load_classes",

@@ -197,7 +197,13 @@ class Request:
     )
 
     def __init__(
-        self, request_id: str, spec: RequestSpec, cls: ServiceClass, now: float, stats: Counters
+        self,
+        request_id: str,
+        spec: RequestSpec,
+        cls: ServiceClass,
+        now: float,
+        stats: Counters,
+        arrival: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.spec = spec
@@ -216,9 +222,11 @@ class Request:
         self.want_blocks = 0
         self.state = State.QUEUED
         self.outcome: Outcome | None = None
-        self.arrival = now
+        #: when the caller's clock started: the server's receipt (``arrive(received_at=)``),
+        #: which may be before ``now``; the objectives and the deadline run from it
+        self.arrival = now if arrival is None else arrival
         deadline = spec.deadline if spec.deadline is not None else cls.default_deadline_s
-        self.deadline_at: float | None = None if deadline is None else now + deadline
+        self.deadline_at: float | None = None if deadline is None else self.arrival + deadline
         self.seq = 0
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None

@@ -255,8 +255,17 @@ class Scheduler:
 
     # == arrivals ==================================================================================
 
-    def arrive(self, request_id: str, spec: RequestSpec, now: float) -> list[ev.Action]:
-        """A new request. Returns its Admit or Reject (or nothing: it waits) plus side actions."""
+    def arrive(
+        self, request_id: str, spec: RequestSpec, now: float, *, received_at: float | None = None
+    ) -> list[ev.Action]:
+        """A new request. Returns its Admit or Reject (or nothing: it waits) plus side actions.
+
+        ``received_at``: when the server received the request, if before ``now`` (a server
+        tokenizes and validates a request before it reaches the budget, and under load that
+        takes tens of milliseconds). Its first-token objective, queue delay and deadline run
+        from then, as its caller's clock does; None: from ``now``. Later than ``now``, or not
+        a finite number: InvalidInput.
+        """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidInput("request_id", request_id, "a non-empty string")
         if not isinstance(spec, RequestSpec):
@@ -273,8 +282,13 @@ class Scheduler:
                 f"{self.capacity.block_size})",
             )
         now = self._time(now)
+        arrival = (
+            now
+            if received_at is None
+            else check_float("received_at", received_at, minimum=-math.inf, maximum=now)
+        )
         stats = self._stats(cls.name, spec.tenant)
-        req = Request(request_id, spec, cls, now, stats)
+        req = Request(request_id, spec, cls, now, stats, arrival)
         grant = self._want_blocks(req)  # may raise PolicyViolation: count after it
         stats.arrived += 1
         self.forecast.note_arrival(req, now)

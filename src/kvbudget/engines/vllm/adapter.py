@@ -1664,6 +1664,7 @@ class BudgetedEngine:
         on_exhausted: Literal["extend", "continue"] = "extend",
         sink: Callable[[VllmResult], Any] | None = None,
         arrive_now: bool = False,
+        received_at: float | None = None,
         **engine_kwargs: Any,
     ) -> AsyncGenerator[Any, None]:
         """Like ``AsyncLLM.generate``: yields vLLM ``RequestOutput``s in the output kind the
@@ -1677,6 +1678,9 @@ class BudgetedEngine:
         ``on_exhausted="continue"`` and the grant cannot grow; Preempted if a preempted request
         missed its deadline; EngineDead, EngineError, EngineStalled). ``durable=True``: the
         request survives its caller and its :class:`VllmResult` goes to ``sink``.
+        ``received_at``: when the server received the request, on the budget's clock
+        (``self.budget.now()``): its first-token objective and deadline run from then, not
+        from this call after the server's parsing and tokenization (:meth:`Budget.lease`).
         ``engine_kwargs``: ``AsyncLLM.add_request``'s own keywords (:data:`ENGINE_KWARGS`:
         ``lora_request``, ``priority``, ``trace_headers``, ...), passed on to every engine
         request of this one; others raise InvalidInput.
@@ -1688,7 +1692,7 @@ class BudgetedEngine:
             )
         args = (
             prompt, sampling_params, request_id, service_class, tenant, task, durable, deadline,
-            on_exhausted, sink, engine_kwargs,
+            on_exhausted, sink, received_at, engine_kwargs,
         )
         n = getattr(sampling_params, "n", 1)
         if isinstance(n, int) and not isinstance(n, bool) and n > 1:
@@ -1816,6 +1820,7 @@ class BudgetedEngine:
         deadline: float | None,
         on_exhausted: Literal["extend", "continue"],
         sink: Callable[[VllmResult], Any] | None,
+        received_at: float | None,
         engine_kwargs: Mapping[str, Any],
         arrive_now: bool = False,
     ) -> _Prepared:
@@ -1878,7 +1883,12 @@ class BudgetedEngine:
                     await out
 
         steps = self.budget.generate_payloads(
-            reng, spec, request_id=request_id, sink=bsink, arrive_now=arrive_now
+            reng,
+            spec,
+            request_id=request_id,
+            sink=bsink,
+            arrive_now=arrive_now,
+            received_at=received_at,
         )
         self._requests[request_id] = reng
         return _Prepared(reng, steps, prompt_text, prompt_ids, kind)
