@@ -428,20 +428,22 @@ class BudgetStateMachine(RuleBasedStateMachine):
             k = data.draw(st.integers(0, room), label="prefix_blocks")
             spec = attrs.evolve(spec, prefix_blocks=prefix_chain(chain, k))
         true_len = data.draw(true_lengths(spec.hard_max), label="true_len")
-        self._arrive(spec, true_len)
+        # a server that received it a while before it reached the budget: its bounds and
+        # deadline run from then (the tick's check below reads them from the receipt)
+        ago = data.draw(st.sampled_from([None, None, 0.0, 0.05, 0.5, 1.5]), label="received_ago")
+        self._arrive(spec, true_len, None if ago is None else self.now - ago)
 
-    def _arrive(self, spec: RequestSpec, true_len: int) -> str:
+    def _arrive(self, spec: RequestSpec, true_len: int, received_at: float | None = None) -> str:
         s = self.sched
         self.seq += 1
         rid = f"r{self.seq}"
         cls = class_table(self.classes)[spec.service_class]
         deadline = spec.deadline if spec.deadline is not None else cls.default_deadline_s
-        sh = Shadow(
-            rid, spec, cls, true_len, self.now, None if deadline is None else self.now + deadline
-        )
+        since = self.now if received_at is None else received_at
+        sh = Shadow(rid, spec, cls, true_len, since, None if deadline is None else since + deadline)
         self.shadows[rid] = sh
         free_before = self._start_call()
-        actions = s.arrive(rid, spec, self.now)
+        actions = s.arrive(rid, spec, self.now, received_at=received_at)
         for a in actions:
             if isinstance(a, ev.Reject) and a.request_id == rid:
                 assert rid not in s.requests
@@ -450,7 +452,10 @@ class BudgetStateMachine(RuleBasedStateMachine):
 
     @rule(
         kind=st.sampled_from(
-            ["duplicate", "unknown-class", "no-room", "bad-field", "not-a-spec", "bad-id"]
+            [
+                "duplicate", "unknown-class", "no-room", "bad-field", "not-a-spec", "bad-id",
+                "bad-receipt",
+            ]
         ),
         data=st.data(),
     )
@@ -506,6 +511,13 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 assert e.expected, e
             else:
                 raise AssertionError(f"RequestSpec accepted {field}={value!r}")
+        elif kind == "bad-receipt":
+            # received later than it arrives, or not a time: refused, nothing changed
+            at = data.draw(st.sampled_from([self.now + 0.5, float("nan"), float("-inf")]))
+            refused = self._expect_error(
+                InvalidInput, lambda: s.arrive("x-bad", good, self.now, received_at=at)
+            )
+            assert isinstance(refused, InvalidInput) and refused.field == "received_at", refused
         elif kind == "not-a-spec":
             self._expect_error(InvalidInput, lambda: s.arrive("x-bad", "spec", self.now))  # type: ignore[arg-type]
         else:
