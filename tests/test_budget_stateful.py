@@ -67,10 +67,18 @@ class LeaseMachine(RuleBasedStateMachine):
         prompt=st.integers(1, 300),
         max_tokens=st.integers(1, 400),
         continue_when_exhausted=st.booleans(),
+        received_ago=st.sampled_from([None, 0.0, 1.0, 3.0, -1.0]),
     )
     def arrive(
-        self, interactive: bool, prompt: int, max_tokens: int, continue_when_exhausted: bool
+        self,
+        interactive: bool,
+        prompt: int,
+        max_tokens: int,
+        continue_when_exhausted: bool,
+        received_ago: float | None,
     ) -> None:
+        # received by the server before it arrives (its bounds run from then), or, -1.0, a
+        # receipt after the arrival: InvalidInput, and the lease must hold nothing
         lease = self.budget.lease(
             spec(
                 prompt=prompt,
@@ -79,6 +87,7 @@ class LeaseMachine(RuleBasedStateMachine):
                 on_exhausted="continue" if continue_when_exhausted else "extend",
             ),
             f"r{len(self.leases)}",
+            received_at=None if received_ago is None else self.now - received_ago,
         )
         self.leases.append(lease)
         _typed(lease.arrive)
