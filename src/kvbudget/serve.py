@@ -387,9 +387,9 @@ def install(
     (:func:`quiet_vllm_overloaded`). Returns the exporter."""
     from fastapi.responses import JSONResponse
 
-    quiet_vllm_overloaded()
-
     from kvbudget.observability import PrometheusExporter, snapshot_to_dict
+
+    quiet_vllm_overloaded()
 
     async def overloaded(_request: Any, exc: Exception) -> Any:
         assert isinstance(exc, Overloaded)
@@ -658,5 +658,6 @@ __all__ = [
     "main",
     "make_parser",
     "options_from_headers",
+    "quiet_vllm_overloaded",
     "serve",
 ]
