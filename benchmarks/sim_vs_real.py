@@ -212,11 +212,7 @@ import serve_bench as sb  # noqa: E402
 
 from kvbudget.core.config import SHELL_TICK_INTERVAL_S, SchedulerConfig  # noqa: E402
 from kvbudget.core.cost import CostModel, StepTimeModel  # noqa: E402
-from kvbudget.core.forecast import (  # noqa: E402
-    WAIT_OUTCOME_HORIZON_S,
-    ForecastMemory,
-    wait_pressure_band_from,
-)
+from kvbudget.core.forecast import ForecastMemory, wait_pressure_band_from  # noqa: E402
 from kvbudget.core.lengths import LengthModel  # noqa: E402
 from kvbudget.core.model import Capacity  # noqa: E402
 from kvbudget.core.policy import Policy, make_policy  # noqa: E402
@@ -1476,16 +1472,9 @@ def real_wait_outcomes(run: Mapping[str, Any]) -> list[tuple[int, int]] | None:
 
 def memory_bands(memory: ForecastMemory | None) -> list[tuple[int, int]]:
     """``(seen, in time)`` per band of pressure of a forecast's memory (none: a fresh one), as
-    the forecast that takes it over reads them: the outcomes of its last minute only
-    (:data:`WAIT_OUTCOME_HORIZON_S`), as a real server's snapshot shows them."""
-    if memory is None:
-        return []
-    since = memory.at - WAIT_OUTCOME_HORIZON_S
-    return [
-        (sum(1 for when, _ in band if when >= since),
-         sum(1 for when, ok in band if ok and when >= since))
-        for band in memory.outcomes
-    ]
+    the forecast that takes it over reads them (:meth:`ForecastMemory.wait_outcomes_by_band`:
+    the outcomes of its last minute only), as a real server's snapshot shows them."""
+    return [] if memory is None else list(memory.wait_outcomes_by_band())
 
 
 def with_wait_outcomes(

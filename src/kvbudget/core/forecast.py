@@ -160,6 +160,18 @@ class ForecastMemory:
     outcomes: tuple[tuple[tuple[float, bool], ...], ...]
     ends: tuple[float, float | None, float | None] = (0.0, None, None)
 
+    def wait_outcomes_by_band(self) -> tuple[tuple[int, int], ...]:
+        """:meth:`Forecast.wait_outcomes_by_band` of a forecast that takes this memory over:
+        ``(seen, in time)`` per band of the outcomes of the last minute before ``at``."""
+        since = self.at - WAIT_OUTCOME_HORIZON_S
+        return tuple(
+            (
+                sum(1 for when, _ in band if when >= since),
+                sum(1 for when, ok in band if ok and when >= since),
+            )
+            for band in self.outcomes
+        )
+
 
 class Forecast:
     """Rates, waits, expiries and first-token lateness (module docstring)."""
