@@ -411,6 +411,31 @@ def test_cached_resolution_matches_brute_force(
                 assert m.survival(p, 100) == h.survival(100)
 
 
+def test_resolution_cache_is_by_identity_and_never_serves_another_key() -> None:
+    # (resolutions are cached by the key object's id: an equal key of its own is resolved
+    # alike, and an entry left under an id that another key now has is not served to it)
+    m = LengthModel(min_samples=1, half_life=1e12)
+    busy, quiet = CalibrationKey(tenant="busy"), CalibrationKey(tenant="quiet")
+    for x in (10, 20, 30):
+        m.observe(busy, x)
+    m.observe(quiet, 900)
+    assert m.quantile(busy, 0.5) == 20
+    assert m.quantile(CalibrationKey(tenant="busy"), 0.5) == 20  # equal, not identical
+    stale = m._resolved[id(busy)]
+    m._resolved[id(quiet)] = stale  # as if busy were gone and quiet had its id
+    assert same_bucket(m.quantile(quiet, 0.5), 900)
+
+
+def test_equal_specs_share_one_calibration_key() -> None:
+    from kvbudget.core.model import RequestSpec
+
+    a = RequestSpec(10, 20, 100, tenant="t1", task="chat")
+    b = RequestSpec(30, 40, 100, tenant="t1", task="chat")
+    assert a.calibration_key is b.calibration_key
+    assert a.calibration_key == CalibrationKey(task="chat", tenant="t1")
+    assert RequestSpec(10, 20, 100, tenant="t2").calibration_key.tenant == "t2"
+
+
 # -- bounded memory ----------------------------------------------------------------------------
 
 

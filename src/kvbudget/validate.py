@@ -32,6 +32,8 @@ def whole(value: Any) -> int | None:
     """``value`` as an int if it is a whole number (an int, a NumPy integer), else None (a
     float, a NaN, a bool, anything else): for a policy's answers, which are refused, not
     raised on, when they are not (a NaN would compare false with every bound)."""
+    if value.__class__ is int:
+        return value  # (the common answer, asked several times per admission and extension)
     if isinstance(value, bool):
         return None
     try:

@@ -540,7 +540,9 @@ class LengthModel:
         self._global = _Node(LengthHistogram(self._half_life))
         self._nodes: OrderedDict[_LevelKey, _Node] = OrderedDict()
         self._epoch = 0
-        self._resolved: dict[CalibrationKey, tuple[int, _Node | None]] = {}
+        #: id(key) -> (key, epoch, node): found by identity, without calling the key's hash and
+        #: equality in Python (the key is kept, so its id is not reused while cached)
+        self._resolved: dict[int, tuple[CalibrationKey, int, _Node | None]] = {}
         self._overall = _Outcomes()
         self._outcomes: dict[str, OrderedDict[str, _Outcomes]] = {
             f: OrderedDict() for f in KEY_FIELDS
@@ -636,9 +638,9 @@ class LengthModel:
     # -- resolution ------------------------------------------------------------------------
 
     def _node_for(self, key: CalibrationKey) -> _Node | None:
-        cached = self._resolved.get(key)
-        if cached is not None and cached[0] == self._epoch:
-            return cached[1]
+        cached = self._resolved.get(id(key))
+        if cached is not None and cached[0] is key and cached[1] == self._epoch:
+            return cached[2]
         if not isinstance(key, CalibrationKey):
             raise InvalidInput("key", key, "a CalibrationKey")
         found: _Node | None = None
@@ -653,7 +655,7 @@ class LengthModel:
                 found = self._global
         if len(self._resolved) >= 4 * self._max_keys:
             self._resolved.clear()
-        self._resolved[key] = (self._epoch, found)
+        self._resolved[id(key)] = (key, self._epoch, found)
         return found
 
     def _prior_quantile(self, q: float) -> int:

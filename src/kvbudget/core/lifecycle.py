@@ -44,6 +44,10 @@ class State(enum.Enum):
     RELEASED = "released"  # terminal: blocks returned (or never held)
     REJECTED = "rejected"  # terminal: turned away before admission, never held blocks
 
+    # members are singletons compared by identity: hash them so too, in C (Enum's own hash is
+    # a Python call hashing the name, and the transition table is looked up on every change)
+    __hash__ = object.__hash__
+
 
 class Outcome(enum.Enum):
     COMPLETED = "completed"  # stopped by itself or at its hard max
@@ -66,6 +70,8 @@ class Trigger(enum.Enum):
     PREEMPT = "preempt"
     CONFIRM = "confirm"
     EXPIRE = "expire"  # a checkpointed request missed its deadline while queued
+
+    __hash__ = object.__hash__  # (as State's)
 
 
 S, T = State, Trigger

@@ -7,6 +7,7 @@ accepted range before it can reach the ledger.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
@@ -241,11 +242,15 @@ class RequestSpec:
 
     @property
     def calibration_key(self) -> CalibrationKey:
-        return CalibrationKey(
-            model=self.model,
-            task=self.task,
-            service_class=self.service_class,
-            tenant=self.tenant,
-            sampling=self.sampling,
-            stops=self.stops,
+        # (one instance per distinct key: the length model's look-ups, several per admission
+        # and extension, then find their key by identity rather than comparing six fields)
+        return _calibration_key(
+            self.model, self.task, self.service_class, self.tenant, self.sampling, self.stops
         )
+
+
+@functools.lru_cache(maxsize=4096)
+def _calibration_key(
+    model: str, task: str, service_class: str, tenant: str, sampling: str, stops: str
+) -> CalibrationKey:
+    return CalibrationKey(model, task, service_class, tenant, sampling, stops)

@@ -934,6 +934,14 @@ class Scheduler:
         rather than end short of one that holds it."""
         target = self._ask(self.policy.headroom_target)
         protected = self._ask(self.policy.protected_blocks) if self.protected_live else 0
+        ledger = self.ledger
+        if (
+            target.__class__ is int
+            and protected.__class__ is int
+            and target == ledger.headroom_target
+            and protected == ledger.protected_blocks
+        ):
+            return  # (unchanged, and the ledger checked these very values when it took them)
         blocks, kept = whole(target), whole(protected)
         if blocks is not None and kept is not None:
             target = min(blocks, self.capacity.blocks)
@@ -1006,13 +1014,17 @@ class Scheduler:
 
     def _serve_extensions(self, now: float, actions: list[ev.Action]) -> None:
         by_class = self.class_order
-        waiting = sorted(
-            self._waiting_ext.values(),
-            key=lambda r: (
-                r.cls.priority if by_class else 0,
-                r.state is not State.EXTENDING,
-                r.seq,
-            ),
+        waiting = (
+            list(self._waiting_ext.values())
+            if len(self._waiting_ext) == 1  # (the common case: one stream near its boundary)
+            else sorted(
+                self._waiting_ext.values(),
+                key=lambda r: (
+                    r.cls.priority if by_class else 0,
+                    r.state is not State.EXTENDING,
+                    r.seq,
+                ),
+            )
         )
         for req in waiting:
             if not req.ext_pending:
