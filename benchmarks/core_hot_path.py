@@ -10,16 +10,27 @@ Targets: charge <= 1 us, admit and extend <= 20 us each at 1,000 active grants.
 The last line printed is one JSON object with the three medians.
 
 Run: ``python benchmarks/core_hot_path.py`` (``--quick`` for fewer repetitions).
+
+Side by side with another tree: ``python benchmarks/core_hot_path.py --against DIR [--rounds N]``
+runs this benchmark ``N`` times (default 8) on this checkout's ``src`` and on ``DIR`` (another
+checkout's ``src``, e.g. a ``git worktree`` of the commit before), alternated, each in its own
+process, and prints for each figure both medians with their ranges, the median and range of the
+per-round ratios (this / baseline) and the ratio of the two best runs. On this 2-core machine one
+run of the same tree varies by up to 1.5x from the next, so only such paired figures compare two
+trees. Its last line is one JSON object with every run's figures.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 from kvbudget.core import events as ev
 from kvbudget.core.lengths import LengthModel
@@ -134,8 +145,51 @@ def bench_extend(repeats: int) -> float:
     return statistics.median(per_op)
 
 
+FIGURES = (
+    "charge_ns_median",
+    "admit_us_median_at_1000",
+    "extend_us_median_at_1000",
+    "admit_us_median_at_1000_finish_between",
+)
+
+
+def one_run(src: Path, quick: bool) -> dict[str, float]:
+    """This benchmark's figures on the ``kvbudget`` under ``src``, in a fresh process."""
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    cmd = [sys.executable, __file__, *(["--quick"] if quick else [])]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def side_by_side(against: Path, rounds: int, quick: bool) -> None:
+    """``rounds`` runs of this checkout's src and of ``against``, alternated (module docstring)."""
+    here = Path(__file__).resolve().parent.parent / "src"
+    runs: dict[str, list[dict[str, float]]] = {"baseline": [], "this": []}
+    for _ in range(rounds):
+        runs["baseline"].append(one_run(against, quick))
+        runs["this"].append(one_run(here, quick))
+    print(f"{rounds} rounds, this checkout ({here}) against {against}, alternated")
+    for key in FIGURES:
+        base = [r[key] for r in runs["baseline"]]
+        this = [r[key] for r in runs["this"]]
+        ratios = sorted(t / b for t, b in zip(this, base, strict=True))
+        print(
+            f"{key}: baseline {statistics.median(base):.2f} [{min(base):.2f}-{max(base):.2f}], "
+            f"this {statistics.median(this):.2f} [{min(this):.2f}-{max(this):.2f}], "
+            f"this/baseline per round {statistics.median(ratios):.3f} "
+            f"[{ratios[0]:.3f}-{ratios[-1]:.3f}], best against best {min(this) / min(base):.3f}"
+        )
+    print(json.dumps({"against": str(against), "rounds": runs}))
+
+
 def main(argv: list[str]) -> None:
     quick = "--quick" in argv
+    if "--against" in argv:
+        at = argv.index("--against")
+        rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 8
+        side_by_side(Path(argv[at + 1]).resolve(), rounds, quick)
+        return
     gc.collect()
     charge_ns = bench_charge(300 if quick else 3000)
     admit_us = bench_admit(300 if quick else 2000)
