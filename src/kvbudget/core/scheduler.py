@@ -947,7 +947,7 @@ class Scheduler:
             target = min(blocks, self.capacity.blocks)
             protected = min(kept, target)
         # (else the ledger refuses it: min() would pass a NaN through as a number)
-        self.ledger.set_headroom(target, protected, self.policy.name)
+        ledger.set_headroom(target, protected, self.policy.name)
 
     def _pump(self, now: float, actions: list[ev.Action] | None = None) -> list[ev.Action]:
         """One pass: the headroom, waiting extensions, admissions, progress. ``actions``: what
