@@ -148,9 +148,10 @@ exports it; ``null`` otherwise; the budget's own ``kvbudget_preemptions_total`` 
 waited behind), and ``turned_away_behind``, how many of them were never their queue's head, in
 each of its summaries. What its turn-away at arrival had learned: the snapshot's
 ``wait_outcomes_by_band`` just before and just after each run (``wait_outcomes`` in its records
-file; sim_vs_real sets the simulator's beside it). Wasted decoded tokens (abandon): vLLM:
-the ``vllm:generation_tokens_total`` delta minus the tokens delivered to the clients that stayed;
-the example: the same with ``kvbudget_tokens_total``, and beside it the budget's own figure
+file; sim_vs_real sets the simulator's beside it), and its ``release_rate_blocks_per_s``, the
+rate its wait forecasts divide by (``release_rate``, the same). Wasted decoded tokens (abandon):
+vLLM: the ``vllm:generation_tokens_total`` delta minus the tokens delivered to the clients that
+stayed; the example: the same with ``kvbudget_tokens_total``, and beside it the budget's own figure
 (``server_wasted_tokens``: ``kvbudget_wasted_decoded_tokens_total``; ``snapshot_wasted_tokens``:
 ``totals.wasted_tokens`` of ``/kvbudget/snapshot``); without a server figure: the tokens delivered
 to the clients that left, a lower bound. On 2 cores a stream often reaches the client in bursts, so
@@ -692,6 +693,12 @@ class ServerProcess:
         not a budgeted server, or a server from before the snapshot showed them)."""
         bands = (self.snapshot() or {}).get("wait_outcomes_by_band")
         return bands if isinstance(bands, list) else None
+
+    def release_rate(self) -> float | None:
+        """The budget's release rate in blocks per second, as its snapshot shows it (None: not
+        a budgeted server, or one from before the snapshot showed it)."""
+        rate = (self.snapshot() or {}).get("release_rate_blocks_per_s")
+        return float(rate) if isinstance(rate, int | float) else None
 
     def cpu_seconds(self) -> dict[str, float | None]:
         """CPU time used so far by the server's front-end process (its HTTP handling,
@@ -1752,6 +1759,10 @@ class Run:
     #: ``wait_outcomes_by_band``) just before the run and just after ("before"/"after"): what
     #: its turn-away at arrival had learned; sim_vs_real compares the simulator's with them
     wait_outcomes: dict[str, Any] = field(default_factory=dict)
+    #: a budgeted server's release rate (its snapshot's ``release_rate_blocks_per_s``, blocks
+    #: per second on the clock that runs while the engine holds blocks) just before the run and
+    #: just after: what its wait forecasts and the gate of a fresh caller start the run from
+    release_rate: dict[str, float | None] = field(default_factory=dict)
 
 
 def run_workload(
@@ -1766,6 +1777,7 @@ def run_workload(
     run.probe_ms = machine_probe_ms()
     before = srv.counters()
     run.wait_outcomes["before"] = srv.wait_outcomes()
+    run.release_rate["before"] = srv.release_rate()
     n = num_prompts(workload, opts.num_prompts_scale)
     prefix = f"sb-{srv.spec.name}-{workload.name}-r{rep}-{uuid.uuid4().hex[:6]}-"
     seed = opts.seed  # every run of a workload sends the same requests
@@ -1799,6 +1811,7 @@ def run_workload(
         run.idle["after_busy"] = busy
     after = srv.counters()
     run.wait_outcomes["after"] = srv.wait_outcomes()
+    run.release_rate["after"] = srv.release_rate()
     run.counters = {k: _delta(after.get(k), before.get(k)) for k in after}
     # the engine's pace in this run alone (the machine's drifts 20-30 % from run to run):
     # sim_vs_real replays the run on it
@@ -2220,6 +2233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     {"summary": run.summary, "counters": run.counters,
                      "client_stalls": stalls_json(run),
                      "wait_outcomes": run.wait_outcomes,
+                     "release_rate": run.release_rate,
                      "machine_steal": [[round(t, 3), round(v, 4)] for t, v in run.steal],
                      "records": records_json(run)},
                     indent=1), encoding="utf-8")

@@ -862,6 +862,7 @@ def simulate_workloads(
                 replay.wait_outcomes.get(name, {}).get(server) if replay is not None else None
             )
             sim_bands = memory_bands(memories[server])
+            start_memory = memories[server]
             # (a fresh real server, before its first workload, is a fresh simulated one)
             seeded = wait_outcomes == "real" and real_bands is not None and (
                 memories[server] is not None or any(seen for seen, _ in real_bands)
@@ -928,6 +929,14 @@ def simulate_workloads(
                 summary["budget_preemptions"] = result.preemptions
                 summary["wait_outcomes_at_start"] = {
                     "sim": sim_bands, "real": real_bands, "used": "real" if seeded else "sim",
+                }
+                # (the gate of a fresh caller at a wave's start reads it: docs/benchmarks.md)
+                summary["release_rate_at_start"] = {
+                    "sim": round(release_rate_of(start_memory, server), 1),
+                    "real": (
+                        replay.release_rates.get(name, {}).get(server)
+                        if replay is not None else None
+                    ),
                 }
             else:
                 summary["engine_preemptions"] = result.preemptions
@@ -1398,6 +1407,9 @@ class Replay:
     #: a budgeted server's wait outcomes by band of pressure just before each workload, as
     #: serve_bench recorded them (``(seen, in time)`` per band; :func:`real_wait_outcomes`)
     wait_outcomes: dict[str, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)
+    #: a budgeted server's release rate (blocks per second) just before each workload, as
+    #: serve_bench recorded it (:func:`real_release_rate`)
+    release_rates: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def stretch_profiles(path: Path, workload: str, server: str) -> list[EngineProfile | None]:
@@ -1432,6 +1444,7 @@ def load_replays(path: Path, stretches: bool = False) -> list[Replay]:
         profiles: dict[str, dict[str, EngineProfile]] = {}
         phases: dict[str, dict[str, PhaseGaps]] = {}
         outcomes: dict[str, dict[str, list[tuple[int, int]]]] = {}
+        rates: dict[str, dict[str, float]] = {}
         for (workload, server), reps in runs.items():
             run = reps[min(k, len(reps) - 1)]
             mine = own.get((workload, server)) or []
@@ -1441,6 +1454,9 @@ def load_replays(path: Path, stretches: bool = False) -> list[Replay]:
             bands = real_wait_outcomes(run)
             if bands is not None:
                 outcomes.setdefault(workload, {})[server] = bands
+            rate = real_release_rate(run)
+            if rate is not None:
+                rates.setdefault(workload, {})[server] = rate
             recs = run.get("records") or []
             if not recs:
                 continue
@@ -1456,8 +1472,15 @@ def load_replays(path: Path, stretches: bool = False) -> list[Replay]:
             phase = real_phase_gaps(recs, budgeted)
             if phase is not None:
                 phases.setdefault(workload, {})[server] = phase
-        replays.append(Replay(sent, stalls, gaps, profiles, phases, outcomes))
+        replays.append(Replay(sent, stalls, gaps, profiles, phases, outcomes, rates))
     return replays
+
+
+def real_release_rate(run: Mapping[str, Any]) -> float | None:
+    """A budgeted server's release rate just before one run (blocks per second, from
+    serve_bench's ``release_rate`` of its records file; None where it has none)."""
+    rate = (run.get("release_rate") or {}).get("before")
+    return float(rate) if isinstance(rate, int | float) else None
 
 
 def real_wait_outcomes(run: Mapping[str, Any]) -> list[tuple[int, int]] | None:
@@ -1468,6 +1491,15 @@ def real_wait_outcomes(run: Mapping[str, Any]) -> list[tuple[int, int]] | None:
     if not isinstance(bands, list):
         return None
     return [(int(b["seen"]), int(b["in_time"])) for b in bands]
+
+
+def release_rate_of(memory: ForecastMemory | None, server: str) -> float:
+    """The release rate (blocks per second) that ``server``'s simulated budget starts a workload
+    from, carried in ``memory`` (0: a fresh one), as its forecast reads it."""
+    if memory is None:
+        return 0.0
+    config = simulated_config(server) or SchedulerConfig()
+    return memory.release_rate(config.release_rate_window_s)
 
 
 def memory_bands(memory: ForecastMemory | None) -> list[tuple[int, int]]:
@@ -2127,6 +2159,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"from {started}):")
             for w, bands in starts:
                 print(f"#   {w}: {format_bands(bands['real'])} | {format_bands(bands['sim'])}")
+        rates = [
+            (w, sim[w][server]["release_rate_at_start"]) for w in sim
+            if ((sim[w].get(server) or {}).get("release_rate_at_start") or {}).get("real")
+            is not None
+        ]
+        if rates:
+            print(f"# {server}'s release rate at each workload's start (blocks/s on the clock "
+                  f"that runs while the engine holds blocks; the real server's | the simulated "
+                  f"one's, the first run): " + ", ".join(
+                      f"{w} {r['real']:.0f} | {r['sim']:.0f}" for w, r in rates))
     drifts = machine_drifts(run_dir) if run_dir is not None else []
     if drifts:
         print(f"# WARNING: the machine's probe before these real runs differs from their vLLM "

@@ -1279,6 +1279,20 @@ def test_an_idle_spell_does_not_slow_the_release_rate() -> None:
     )
 
 
+def test_the_snapshot_shows_the_release_rate_the_forecasts_read() -> None:
+    """``Snapshot.release_rate_blocks_per_s`` is the rate the wait forecasts divide by: none
+    before a release, the busy spell's after it, and after an idle spell still the rate the
+    last busy spell ended at (the clock stops while the engine holds no blocks)."""
+    s = Scheduler(Capacity(8, 4), policy=ReserveMaxFront())
+    assert s.snapshot().release_rate_blocks_per_s == 0.0
+    _release_rate(s)  # 8 blocks a second while busy; idle from 2.5 s
+    busy = s.snapshot().release_rate_blocks_per_s
+    assert busy == pytest.approx(s.forecast.release_rate(s.now)) and busy > 0.0
+    s.tick(62.5)  # a quiet minute
+    assert s.snapshot().release_rate_blocks_per_s == pytest.approx(busy)
+    assert s.forecast.release_rate(s.now) == pytest.approx(busy)
+
+
 def test_callers_timed_out_in_the_queue_turn_the_next_away_at_arrival() -> None:
     """Queued callers forecast to wait 0.4 of their bound, each turned away at its bound: the
     turn-away at arrival learns that callers at that pressure are not served in time, and reads
@@ -2118,11 +2132,16 @@ def test_a_forecast_taken_over_by_another_scheduler_answers_as_it_would_have() -
     assert rate > 0.0 and share == 1.0
     memory = f.memory()
     assert memory.at == s.now
+    # the memory reads as the forecast that takes it over will (what sim_vs_real shows)
+    window = s.config.release_rate_window_s
+    assert memory.release_rate(window) == pytest.approx(rate)
     t = Scheduler(Capacity(9, 4), policy=ReserveMaxFront())
     assert t.forecast.release_rate(100.0) == 0.0 and not t.forecast.unlikely_in_time(0.5, 1.0)
     t.forecast.recall(memory, 100.0)
     g = t.forecast
     assert g.release_rate(100.0) == pytest.approx(rate)
+    t.tick(100.0)
+    assert g.memory().release_rate(window) == pytest.approx(rate)
     assert g.in_time_share(5.0) == share and g.late_first_token_share == late
     assert g.memory().outcomes == tuple(
         tuple((when + 100.0 - memory.at, ok) for when, ok in band) for band in memory.outcomes

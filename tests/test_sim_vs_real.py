@@ -654,10 +654,15 @@ def test_the_examples_turn_away_may_start_each_workload_from_what_the_real_one_h
                   for n, k in ([(0, 0)] * 16 if workload == "burst" else pressed)]
         (tmp_path / f"records-{workload}-kvbudget-r0.json").write_text(json.dumps(
             {"summary": _summary(30, 0), "records": records, "client_stalls": [],
-             "wait_outcomes": {"before": before, "after": None}}
+             "wait_outcomes": {"before": before, "after": None},
+             "release_rate": {"before": 0.0 if workload == "burst" else 116.5, "after": 9.0}}
         ))
     (replay,) = svr.load_replays(tmp_path)
     assert replay.wait_outcomes["abandon"]["kvbudget"] == pressed
+    # the release rate the real one started each workload from, beside the simulated one's
+    assert replay.release_rates == {"burst": {"kvbudget": 0.0}, "abandon": {"kvbudget": 116.5}}
+    assert svr.real_release_rate({"release_rate": {"before": None}}) is None
+    assert svr.real_release_rate({}) is None
     assert svr.format_bands(pressed) == f"1:1/{MIN_WAIT_OUTCOMES + 4}"
     assert svr.format_bands([]) == "none"
     assert svr.parse_args(["--sim-only"]).wait_outcomes == "sim"  # (the default: predicted)
@@ -668,6 +673,9 @@ def test_the_examples_turn_away_may_start_each_workload_from_what_the_real_one_h
         )
         start = out["abandon"]["kvbudget"]["wait_outcomes_at_start"]
         assert start["real"] == pressed and start["used"] == mode
+        rates = out["abandon"]["kvbudget"]["release_rate_at_start"]
+        assert rates["real"] == 116.5 and rates["sim"] > 0.0  # (the simulated burst released)
+        assert out["burst"]["kvbudget"]["release_rate_at_start"] == {"sim": 0.0, "real": 0.0}
         assert start["sim"] != pressed  # (the simulated burst taught it something else)
         # the first workload starts fresh either way, as the real server did
         assert out["burst"]["kvbudget"]["wait_outcomes_at_start"]["used"] == "sim"

@@ -406,6 +406,7 @@ SNAPSHOT_SCALARS: Final[tuple[str, ...]] = (
     "engine_preemptions",
     "wait_in_time_share",
     "wait_forecast_samples",
+    "release_rate_blocks_per_s",
     "policy_faults",
     "turned_away_behind",
 )
@@ -563,6 +564,11 @@ GAUGES: Final[Mapping[str, tuple[str, str]]] = {
     "wait_forecast_samples": (
         "wait_forecast_samples",
         "Outcomes of queued callers the turn-away at arrival read for that forecast.",
+    ),
+    "release_rate_blocks_per_second": (
+        "release_rate_blocks_per_s",
+        "Blocks per second the engine returned recently, on a clock that runs only while it "
+        "holds blocks (after an idle spell: the rate the last busy spell ended at).",
     ),
     "policy_faults": (
         "policy_faults",

@@ -92,6 +92,12 @@ def _turned_over(
     return cycles * max(turnover, at) + at
 
 
+def _busy_time(now: float, idle_since: float | None, idle_total: float) -> float:
+    """The busy clock at ``now``: seconds the engine held blocks (plus a constant), given the
+    idle seconds before its last busy spell and when its current idle spell began (None: busy)."""
+    return (now if idle_since is None else min(now, idle_since)) - idle_total
+
+
 class DecayingRate:
     """Amounts added over time, exponentially forgotten over ``window_s``, read as a rate.
 
@@ -171,6 +177,13 @@ class ForecastMemory:
             )
             for band in self.outcomes
         )
+
+    def release_rate(self, window_s: float) -> float:
+        """:meth:`Forecast.release_rate` of a forecast that takes this memory over, at ``at``
+        (``window_s``: its ``SchedulerConfig.release_rate_window_s``)."""
+        rate = DecayingRate(window_s, warm_up=True)
+        rate.restore(self.releases, 0.0)
+        return rate.rate(_busy_time(self.at, self.idle_since, self.idle_total))
 
 
 class Forecast:
@@ -290,9 +303,7 @@ class Forecast:
 
     def _busy_clock(self, now: float) -> float:
         """Seconds during which the engine held blocks, up to ``now`` (plus a constant)."""
-        if self._idle_since is not None:
-            now = min(now, self._idle_since)
-        return now - self._idle_total
+        return _busy_time(now, self._idle_since, self._idle_total)
 
     def note_waited(self, forecast: float, bound: float, in_time: bool, now: float) -> None:
         """A caller forecast, when it was queued, to wait ``forecast`` seconds where it might

@@ -1756,6 +1756,7 @@ class Scheduler:
             wait_in_time_share=self.forecast.in_time_share(),
             wait_forecast_samples=self.forecast.wait_outcome_samples,
             wait_outcomes_by_band=self.forecast.wait_outcomes_by_band(),
+            release_rate_blocks_per_s=self.forecast.release_rate(self.now),
             policy_faults=self.policy_faults,
         )
 

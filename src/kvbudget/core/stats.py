@@ -195,6 +195,11 @@ class Snapshot:
     #: band ``b`` >= 1 from pressure ``0.5 * 2 ** ((b - 1) / 2)``): ``(seen, in time)`` each,
     #: what the turn-away at arrival reads for a caller of that pressure
     wait_outcomes_by_band: tuple[tuple[int, int], ...] = ()
+    #: blocks per second the engine returned recently, on a clock that runs only while it holds
+    #: blocks (0 before the first release): what a queued caller's wait is forecast from, and
+    #: what tells a fresh caller granted the vLLM way to wait for room rather than take the
+    #: headroom; after an idle spell, the rate at which the last busy spell's streams ended
+    release_rate_blocks_per_s: float = 0.0
     #: the policy's notifications that raised (the core went on without them; the shell logs
     #: each as ``policy_fault``)
     policy_faults: int = 0
