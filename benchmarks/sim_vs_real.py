@@ -106,6 +106,12 @@ than the real ones', followed the second; in a default run the simulated example
 outcomes had 11 of 43 callers forecast at 2.8-4x their bound served in time where the real one
 had none of 12 (and 12 of 54 past 4x, where the simulated one had none), and it served 57 of the
 multi-prefix workload against the real 49 (51 from the real state; docs/benchmarks.md).
+The release rate each server's budget started a workload from is set beside the simulated one's
+the same way (serve_bench's ``release_rate``, the snapshot's ``release_rate_blocks_per_s``; the
+summary's ``release_rate_at_start``): it runs on a clock that stops while the engine holds no
+blocks, so a wave's first callers are judged by the rate at which the workload before ended, and
+whether a fresh caller takes the headroom or waits for those releases hangs on it (the
+thirty-seventh session's multi-prefix miss). It is shown, not seeded.
 
 vLLM's server's pace (``--pace run``, the default where the run's records are at hand). Nothing in
 the run times the steps of vLLM's own server's engine, and the example's profile is its own engine's
