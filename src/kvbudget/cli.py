@@ -145,7 +145,7 @@ def _positive_int(text: str) -> int:
 
 @subcommand("simulate")
 def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from kvbudget.core.config import SHELL_TICK_INTERVAL_S, SchedulerConfig
+    from kvbudget.core.config import SchedulerConfig
     from kvbudget.core.policy import POLICY_NAMES
     from kvbudget.sim.engine_model import (
         DEFAULT_ABORT_LATENCY_S,
@@ -314,8 +314,9 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--tick-ms",
         type=_positive_float,
         help="how often the simulated shell ticks the scheduler: a queued caller past its bound "
-        f"is turned away at the next tick (ms; default {1e3 * DEFAULT_TICK_S:g}, the figures in "
-        f"docs/benchmarks.md; a real Budget ticks every {1e3 * SHELL_TICK_INTERVAL_S:g})",
+        f"is turned away at the next tick (ms; default {1e3 * DEFAULT_TICK_S:g}, as a real "
+        "Budget ticks; docs/benchmarks.md's figures dated before the thirty-eighth session "
+        "were made at 100)",
     )
     g.add_argument(
         "--no-prefix-cache",

@@ -52,7 +52,7 @@ An iteration-level batching engine in the style of vLLM v1:
   end's own queue (above) does not capture that: it delays when the scheduler sees a request,
   not the engine's steps.
 * ``tick_s``: how often the driver sends the scheduler a ``Tick`` (queue time-outs, unconfirmed
-  stops) and samples reserved/used KV.
+  stops) and samples reserved/used KV; by default as often as the real shells tick theirs.
 
 Where the defaults come from
 ----------------------------
@@ -74,6 +74,7 @@ from typing import Any, Final
 
 import attrs
 
+from kvbudget.core.config import SHELL_TICK_INTERVAL_S
 from kvbudget.core.cost import DEFAULT_STEP_TIME, StepTimeModel
 from kvbudget.core.model import Capacity
 from kvbudget.errors import InvalidInput
@@ -101,7 +102,11 @@ DEFAULT_CAPACITY_BLOCKS: Final = KV_CACHE_BYTES // KV_BYTES_PER_TOKEN // DEFAULT
 DEFAULT_MAX_BATCH: Final = 256
 DEFAULT_PREFILL_CHUNK_TOKENS: Final = 2048
 DEFAULT_ABORT_LATENCY_S: Final = 0.05
-DEFAULT_TICK_S: Final = 0.1
+DEFAULT_TICK_S: Final = SHELL_TICK_INTERVAL_S
+"""The simulated shell ticks its scheduler as often as a real one (``Budget``,
+``BudgetedEngine``): a queued caller past its bound is turned away, and may be admitted until
+then, on the same clock. (Before the thirty-eighth session it was 100 ms; the figures of
+docs/benchmarks.md dated before it were made at that tick.)"""
 
 
 def _check_capacity(_inst: object, _attr: object, value: Any) -> None:
