@@ -216,7 +216,7 @@ for _p in (str(ROOT / "src"), str(HERE)):
 
 import serve_bench as sb  # noqa: E402
 
-from kvbudget.core.config import SHELL_TICK_INTERVAL_S, SchedulerConfig  # noqa: E402
+from kvbudget.core.config import SchedulerConfig  # noqa: E402
 from kvbudget.core.cost import CostModel, StepTimeModel  # noqa: E402
 from kvbudget.core.forecast import ForecastMemory, wait_pressure_band_from  # noqa: E402
 from kvbudget.core.lengths import LengthModel  # noqa: E402
@@ -828,9 +828,9 @@ def simulate_workloads(
     (:func:`with_wait_outcomes`); its summary says both and which was used
     (``wait_outcomes_at_start``)."""
     send_times = replay.send_times if replay is not None else {}
-    # (the real servers' budgets tick their schedulers this often: a queued caller past its
+    # (at the simulator's default tick, the real shells' interval: a queued caller past its
     # bound is turned away at most that late, and may be admitted in between)
-    engine = profile.engine_model(tick_s=SHELL_TICK_INTERVAL_S)
+    engine = profile.engine_model()
     engines = {
         s: attrs.evolve(engine, front_end=(front_ends or {}).get(s, engine.front_end))
         for s in servers
@@ -854,7 +854,7 @@ def simulate_workloads(
             engine_of = engines[server]
             if server in own:  # this run's own engine pace, from its own steps
                 engine_of = attrs.evolve(
-                    own[server].engine_model(tick_s=SHELL_TICK_INTERVAL_S),
+                    own[server].engine_model(),
                     front_end=engines[server].front_end,
                     intake_s=engines[server].intake_s,
                 )
