@@ -697,8 +697,7 @@ class ServerProcess:
     def release_rate(self) -> float | None:
         """The budget's release rate in blocks per second, as its snapshot shows it (None: not
         a budgeted server, or one from before the snapshot showed it)."""
-        rate = (self.snapshot() or {}).get("release_rate_blocks_per_s")
-        return float(rate) if isinstance(rate, int | float) else None
+        return _num((self.snapshot() or {}).get("release_rate_blocks_per_s"))
 
     def cpu_seconds(self) -> dict[str, float | None]:
         """CPU time used so far by the server's front-end process (its HTTP handling,

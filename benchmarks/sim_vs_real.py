@@ -1485,8 +1485,7 @@ def load_replays(path: Path, stretches: bool = False) -> list[Replay]:
 def real_release_rate(run: Mapping[str, Any]) -> float | None:
     """A budgeted server's release rate just before one run (blocks per second, from
     serve_bench's ``release_rate`` of its records file; None where it has none)."""
-    rate = (run.get("release_rate") or {}).get("before")
-    return float(rate) if isinstance(rate, int | float) else None
+    return sb._num((run.get("release_rate") or {}).get("before"))
 
 
 def real_wait_outcomes(run: Mapping[str, Any]) -> list[tuple[int, int]] | None:
