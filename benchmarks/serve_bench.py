@@ -142,8 +142,12 @@ machines, not two servers.
 Preemptions: ``/metrics`` is scraped before and after each workload (after the idle wait):
 ``vllm:num_preemptions_total`` (vLLM), ``kvbudget_engine_preemptions_total`` (the example, once it
 exports it; ``null`` otherwise; the budget's own ``kvbudget_preemptions_total`` is reported as
-``budget_preemptions``). Why a budgeted server turned callers away after they queued: the
-``turned_away_held_by`` delta of ``/kvbudget/snapshot`` over the run, by cause (the causes seen;
+``budget_preemptions``). A budgeted server's own count of the first tokens it served late
+(``server_first_tokens_late`` of ``server_first_tokens``: the snapshot's ``totals`` delta,
+first tokens under the class's objective later than it from the request's receipt), beside the
+client's late: the server's clock against the client's. Why a budgeted server turned callers
+away after they queued: the ``turned_away_held_by`` delta of ``/kvbudget/snapshot`` over the
+run, by cause (the causes seen;
 ``kvbudget.core.stats.HELD_BY``; a caller never its queue's head by what held the head it
 waited behind), and ``turned_away_behind``, how many of them were never their queue's head, in
 each of its summaries. What its turn-away at arrival had learned: the snapshot's
@@ -741,6 +745,8 @@ class ServerProcess:
             "budget_wasted_tokens": m.get("kvbudget_wasted_decoded_tokens_total"),
             "snapshot_wasted_tokens": _num(totals.get("wasted_tokens")),
             "snapshot_tokens": _num(totals.get("tokens")),
+            "server_first_tokens": _num(totals.get("first_tokens")),
+            "server_first_tokens_late": _num(totals.get("first_tokens_late")),
             **self.cpu_seconds(),
         }
 
@@ -1865,6 +1871,9 @@ def finish_runs(runs: list[Run]) -> None:
         )
         if run.counters.get("budget_preemptions") is not None:
             s["budget_preemptions"] = _int(run.counters["budget_preemptions"])
+        if run.counters.get("server_first_tokens") is not None:
+            s["server_first_tokens"] = _int(run.counters["server_first_tokens"])
+            s["server_first_tokens_late"] = _int(run.counters.get("server_first_tokens_late"))
         held = turned_away_held_by(run.counters)
         if held is not None:
             s["turned_away_held_by"] = held
@@ -1960,6 +1969,10 @@ def table_line(run: Run) -> str:
         )
     if s.get("budget_preemptions") is not None:
         notes.append(f"budget_preempt={s['budget_preemptions']}")
+    if s.get("server_first_tokens_late"):
+        notes.append(
+            f"srv_late_first={s['server_first_tokens_late']}/{s['server_first_tokens']}"
+        )
     if s.get("rejected_in_stream"):
         notes.append(f"rejected_in_stream={s['rejected_in_stream']}")
     if s.get("false_rejections") is not None:

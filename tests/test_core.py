@@ -1793,6 +1793,48 @@ def test_a_checkpointed_stream_frozen_past_its_floor_counts_a_stall_when_it_resu
     assert s.snapshot().stalls == 1
 
 
+def test_first_tokens_under_an_objective_are_counted_and_the_late_ones_apart() -> None:
+    """``first_tokens`` counts each caller's own first token under a first-token objective,
+    ``first_tokens_late`` those later than it from the caller's receipt (``received_at``, not
+    the arrival at the budget); a class without an objective counts neither, and the first
+    token after a checkpoint's resume is not the caller's first token."""
+    classes = (
+        ServiceClass("chat", ttft_slo_s=1.0, latency_floor_s=None),
+        ServiceClass("batch", latency_floor_s=None),
+    )
+    s = Scheduler(Capacity(16, 4), classes=classes, policy=Fixed(allowance=4, step=4))
+    s.arrive("on-time", spec(prompt=4, max_tokens=8, cls="chat"), 0.0)
+    s.arrive("late", spec(prompt=4, max_tokens=8, cls="chat"), 0.5, received_at=0.0)
+    s.arrive("no-objective", spec(prompt=4, max_tokens=8, cls="batch"), 0.0)
+    s.charge("on-time", 1, 1.0)  # (exactly at the objective: in time)
+    s.charge("late", 1, 1.2)  # 0.7 s after it reached the budget, 1.2 s after its receipt
+    s.charge("no-objective", 1, 5.0)
+    s.charge("on-time", 1, 1.3)  # (its second token: not a first token)
+    snap = s.snapshot()
+    assert snap.by_class["chat"].first_tokens == 2
+    assert snap.by_class["chat"].first_tokens_late == 1
+    assert snap.by_class["batch"].first_tokens == snap.by_class["batch"].first_tokens_late == 0
+    assert (snap.totals.first_tokens, snap.totals.first_tokens_late) == (2, 1)
+
+
+def test_the_first_token_after_a_resume_is_not_counted_as_a_first_token() -> None:
+    classes = (ServiceClass("chat", ttft_slo_s=1.0, latency_floor_s=None),)
+    s = Scheduler(Capacity(4, 4), classes=classes, policy=Fixed(allowance=4, step=4))
+    s.arrive("a", spec(prompt=4, max_tokens=8, cls="chat"), 0.0)
+    s.arrive("b", spec(prompt=4, max_tokens=64, cls="chat"), 0.0)
+    to_boundary(s, "a", 0.0)
+    to_boundary(s, "b", 0.0)
+    s.boundary_reached("a", 0.0)
+    assert [p.request_id for p in of(s.boundary_reached("b", 0.0), ev.Preempt)] == ["b"]
+    assert of(s.confirm_release("b", 0.05), ev.Extend, "a")
+    s.charge("a", 4, 0.06)
+    s.finish("a", "length", 0.06)
+    assert of(s.confirm_release("a", 3.0), ev.Admit, "b")
+    s.charge("b", 1, 4.0)  # b's first token after its resume, 4 s after its receipt
+    totals = s.snapshot().totals
+    assert (totals.first_tokens, totals.first_tokens_late) == (2, 0)
+
+
 def test_a_lone_batch_request_grows_into_the_protected_part_rather_than_fail() -> None:
     """Batch work that fits the cache only with the headroom kept for interactive extensions:
     alone, it takes that part (an interactive extension could preempt it) and completes; it is

@@ -569,3 +569,25 @@ def test_turned_away_callers_by_cause_are_the_run_s_snapshot_delta() -> None:
     assert budgeted.summary["turned_away_behind"] == 1
     assert "turned_away_held_by" not in bare.summary
     assert "turned_away_behind" not in bare.summary
+
+
+def test_the_server_s_own_late_first_tokens_are_in_a_budgeted_server_s_summary() -> None:
+    """A budgeted server's summary carries its own count of first tokens under an objective and
+    of those it served late (its snapshot's ``totals`` delta over the run), noted in the table
+    where any was late; vLLM's server (no snapshot) has neither."""
+    recs = [_rec(outcome="good", request_id=f"sb-x-r0-{k}") for k in range(2)]
+    budgeted = sb.Run("overload", "kvbudget", 0, records=list(recs), duration=1.0)
+    before = {"server_first_tokens": 40.0, "server_first_tokens_late": 1.0}
+    after = {"server_first_tokens": 74.0, "server_first_tokens_late": 12.0}
+    budgeted.counters = {k: sb._delta(after[k], before[k]) for k in after}
+    on_time = sb.Run("moderate", "kvbudget", 0, records=list(recs), duration=1.0)
+    on_time.counters = {"server_first_tokens": 5.0, "server_first_tokens_late": 0.0}
+    bare = sb.Run("overload", "vllm", 0, records=list(recs), duration=1.0)
+    bare.counters = {"server_first_tokens": None, "server_first_tokens_late": None}
+    sb.finish_runs([bare, budgeted, on_time])
+    assert budgeted.summary["server_first_tokens"] == 34
+    assert budgeted.summary["server_first_tokens_late"] == 11
+    assert "srv_late_first=11/34" in sb.table_line(budgeted)
+    assert on_time.summary["server_first_tokens_late"] == 0
+    assert "srv_late_first" not in sb.table_line(on_time)
+    assert "server_first_tokens" not in bare.summary

@@ -447,11 +447,13 @@ def _greedy_against_bare(
         ]))
 
     ref = env.run(bare())
+    objectives: list[float | None] = []
 
     async def budgeted() -> tuple[list[tuple[list[int], str, Any] | None], Any, int, int, int]:
         be = env.budgeted(**budget_kw)
         async with be:
             observed = be.budget.scheduler.cost.prefill_observations
+            objectives.append(be.budget.scheduler.classes["interactive"].ttft_slo_s)
             before = env.stats.preemptions
             async def one(i: int, p: list[int]) -> tuple[list[int], str, Any] | None:
                 try:
@@ -480,6 +482,11 @@ def _greedy_against_bare(
     assert served >= len(prompts) - 3
     assert snap.completed == served and snap.totals.failed == 0
     assert snap.rejected == len(prompts) - served
+    # each served caller's own first token is counted once, whatever pauses and resumes it
+    # went through (where its class has a first-token objective)
+    (objective,) = objectives  # (every request is of the default class, interactive)
+    assert snap.totals.first_tokens == (0 if objective is None else served)
+    assert snap.totals.first_tokens_late <= snap.totals.first_tokens
     return snap, engine_preempted, pauses, observed
 
 

@@ -614,6 +614,14 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     ),
     "tokens": ("tokens", "Output tokens generated."),
     "stalls": ("stalls", "Inter-token stalls over the class latency floor."),
+    "first_tokens": (
+        "first_tokens",
+        "Callers' own first tokens under a first-token objective (not a resumed checkpoint's).",
+    ),
+    "first_tokens_late": (
+        "first_tokens_late",
+        "Of those, first tokens later than the class's objective, from the caller's receipt.",
+    ),
     "extensions_granted": ("extensions", "Grant extensions granted."),
     "extensions_denied": ("extensions_denied", "Grant extensions denied (the request waited)."),
     "unconfirmed_aborts": (

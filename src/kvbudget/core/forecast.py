@@ -275,9 +275,8 @@ class Forecast:
     def note_first_token(self, req: Request, now: float) -> None:
         """``req``'s first token came at ``now`` (only a caller's own first token counts, not a
         resumed checkpoint's)."""
-        ttft = req.cls.ttft_slo_s
-        if ttft is not None and req.preemptions == 0:
-            late = 1.0 if now - req.arrival > ttft else 0.0
+        late = req.first_token_late(now)
+        if late is not None and req.preemptions == 0:
             self.late_first_token_share += LATE_ALPHA * (late - self.late_first_token_share)
 
     def note_release(self, blocks: int, now: float) -> None:

@@ -274,6 +274,12 @@ class Request:
         self.continuation_seq = 0
         self.stats = stats
 
+    def first_token_late(self, now: float) -> bool | None:
+        """Would a first token at ``now`` miss the class's first-token objective, counted from
+        the caller's receipt (``arrival``)? None: the class has no such objective."""
+        ttft = self.cls.ttft_slo_s
+        return None if ttft is None else now - self.arrival > ttft
+
     @property
     def remaining(self) -> int:
         """Output tokens still allowed under the hard max."""

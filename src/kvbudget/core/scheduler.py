@@ -467,6 +467,12 @@ class Scheduler:
             pass
         elif state is _ADMITTED:
             lifecycle.first_token(req)
+            if not req.generated:  # (the caller's own, not a resumed checkpoint's)
+                late = req.first_token_late(now)
+                if late is not None:
+                    req.stats.first_tokens += 1
+                    if late:
+                        req.stats.first_tokens_late += 1
             req.first_token_at = now
             if req.prefill_pending:
                 self._prefill_done(req)

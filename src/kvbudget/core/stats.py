@@ -48,6 +48,8 @@ COUNTER_FIELDS: tuple[str, ...] = (
     "wasted_tokens",
     "tokens",
     "stalls",
+    "first_tokens",
+    "first_tokens_late",
     "extensions",
     "extensions_denied",
     "unconfirmed",
@@ -84,6 +86,8 @@ class Counters:
     wasted_tokens: int
     tokens: int
     stalls: int
+    first_tokens: int
+    first_tokens_late: int
     extensions: int
     extensions_denied: int
     unconfirmed: int
@@ -117,6 +121,12 @@ class CounterValues:
     wasted_tokens: int = 0
     tokens: int = 0
     stalls: int = 0
+    #: callers' own first tokens under a first-token objective (``ttft_slo_s``; a resumed
+    #: checkpoint's first token after its resume is not one), and of them those that came
+    #: later than the objective, counted from the caller's receipt: admitted callers the
+    #: budget served late
+    first_tokens: int = 0
+    first_tokens_late: int = 0
     extensions: int = 0
     extensions_denied: int = 0
     unconfirmed: int = 0

@@ -103,6 +103,9 @@ def core_matches_shadow(
     assert snap.totals.admitted == admitted, (snap.totals.admitted, admitted)
     assert snap.totals.preemptions == preempted
     assert snap.totals.rejected == rejected, (snap.totals.rejected, rejected)
+    # (a caller's own first token is counted once, whatever pauses and resumes it went through)
+    t = snap.totals
+    assert t.first_tokens_late <= t.first_tokens <= t.arrived, (t.first_tokens, t.arrived)
 
 
 # -- 1 ----------------------------------------------------------------------------------------
