@@ -275,7 +275,7 @@ class Forecast:
     def note_first_token(self, req: Request, now: float) -> None:
         """``req``'s first token came at ``now`` (only a caller's own first token counts, not a
         resumed checkpoint's)."""
-        late = req.first_token_late(now)
+        late = req.first_token_past_objective(now)
         if late is not None and req.preemptions == 0:
             self.late_first_token_share += LATE_ALPHA * (late - self.late_first_token_share)
 

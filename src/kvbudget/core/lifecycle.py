@@ -274,7 +274,7 @@ class Request:
         self.continuation_seq = 0
         self.stats = stats
 
-    def first_token_late(self, now: float) -> bool | None:
+    def first_token_past_objective(self, now: float) -> bool | None:
         """Would a first token at ``now`` miss the class's first-token objective, counted from
         the caller's receipt (``arrival``)? None: the class has no such objective."""
         ttft = self.cls.ttft_slo_s

@@ -468,7 +468,7 @@ class Scheduler:
         elif state is _ADMITTED:
             lifecycle.first_token(req)
             if not req.generated:  # (the caller's own, not a resumed checkpoint's)
-                late = req.first_token_late(now)
+                late = req.first_token_past_objective(now)
                 if late is not None:
                     req.stats.first_tokens += 1
                     if late:
