@@ -1818,6 +1818,8 @@ def test_first_tokens_under_an_objective_are_counted_and_the_late_ones_apart() -
 
 
 def test_the_first_token_after_a_resume_is_not_counted_as_a_first_token() -> None:
+    """A stream checkpointed after its first token and resumed seconds later: its next token
+    is not a first token, late as it is against the objective from the caller's receipt."""
     classes = (ServiceClass("chat", ttft_slo_s=1.0, latency_floor_s=None),)
     s = Scheduler(Capacity(4, 4), classes=classes, policy=Fixed(allowance=4, step=4))
     s.arrive("a", spec(prompt=4, max_tokens=8, cls="chat"), 0.0)
