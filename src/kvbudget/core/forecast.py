@@ -272,11 +272,11 @@ class Forecast:
         if req.cls.ttft_slo_s is not None:
             self._ft_prompts.add(req.prompt, now)
 
-    def note_first_token(self, req: Request, now: float) -> None:
-        """``req``'s first token came at ``now`` (only a caller's own first token counts, not a
-        resumed checkpoint's)."""
-        late = req.first_token_past_objective(now)
-        if late is not None and req.preemptions == 0:
+    def note_first_token(self, req: Request, late: bool) -> None:
+        """``req``'s first token came, ``late`` against its class's first-token objective
+        (:meth:`Request.first_token_past_objective`; only a caller never preempted counts, not a
+        resumed checkpoint)."""
+        if req.preemptions == 0:
             self.late_first_token_share += LATE_ALPHA * (late - self.late_first_token_share)
 
     def note_release(self, blocks: int, now: float) -> None:

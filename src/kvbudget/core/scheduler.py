@@ -467,17 +467,17 @@ class Scheduler:
             pass
         elif state is _ADMITTED:
             lifecycle.first_token(req)
-            if not req.generated:  # (the caller's own, not a resumed checkpoint's)
-                late = req.first_token_past_objective(now)
-                if late is not None:
+            late = req.first_token_past_objective(now)
+            if late is not None:
+                if not req.generated:  # (the caller's own, not a resumed checkpoint's)
                     req.stats.first_tokens += 1
                     if late:
                         req.stats.first_tokens_late += 1
+                self.forecast.note_first_token(req, late)
             req.first_token_at = now
             if req.prefill_pending:
                 self._prefill_done(req)
                 self.cost.observe_first_token(req.prefill_ahead, max(0.0, now - req.admitted_at))
-            self.forecast.note_first_token(req, now)
         elif state is _RELEASING or state is _PREEMPTING:
             req.stats.wasted_tokens += tokens  # produced after the stop: nobody receives them
             ledger.charge(req, tokens)
