@@ -75,7 +75,12 @@ with the example's service classes (``kvbudget.DEFAULT_CLASSES``: every request 
 but the mixed workload's backlog:
 TTFT objective 2 s, admission wait at most 2 s, latency floor 200 ms) and the
 ``SchedulerConfig`` the vLLM adapter sets (:func:`simulated_config`: 4 tokens charged past every
-grant's boundary). The engine is a fitted profile (``--engine-profile``): ``run`` (the default) is
+grant's boundary); ``kvbudget-serve``, where the real run has it (``kvbudget serve``: vLLM's own
+OpenAI app over the same ``BudgetedEngine``), is the same policy and budget (its
+``--kvbudget-policy``, with ``--kvbudget-first-token-pause-share`` where the run's ``--serve-arg``
+set it) on its own engine: the profile fitted from its own steps in each run and the pace of its
+own streams, so what its heavier front end costs the engine comes in as that pace.
+The engine is a fitted profile (``--engine-profile``): ``run`` (the default) is
 the profile the kvbudget server fitted from its own engine steps over the real run (serve_bench
 keeps it as ``engine-profile-kvbudget.json`` in its ``--out`` directory; with rotated repeats its
 first start's, each run's own beside it): the same engine on the
@@ -243,9 +248,17 @@ from kvbudget.sim.workload import TraceRequest, Workload  # noqa: E402
 _T = TypeVar("_T")
 
 #: the two servers every comparison has: vLLM's own and the kvbudget example (vLLM's own server
-#: with ``--max-num-queued-reqs N``, serve_bench's ``vllm-cap<N>``, is compared too where the
-#: real run has it: :func:`serve_bench.queue_cap`)
+#: with ``--max-num-queued-reqs N``, serve_bench's ``vllm-cap<N>``, and ``kvbudget serve`` are
+#: compared too where the real run has them: :func:`serve_bench.queue_cap`, :data:`SERVE`)
 SERVERS = ("vllm", "kvbudget")
+#: ``kvbudget serve`` (vLLM's own OpenAI app over the budget), simulated where the real run has
+#: it: the example's policy and budget on its own engine pace
+SERVE = "kvbudget-serve"
+#: the servers with a budget in front of the engine (the example and ``kvbudget serve``)
+BUDGETED_SERVERS = ("kvbudget", SERVE)
+#: ``kvbudget serve``'s option for the policy's first-token pause share (the example's is
+#: ``--first-token-pause-share``)
+SERVE_PAUSE_FLAG = "--kvbudget-first-token-pause-share"
 #: the engine's speed while the client was stalled (``--stall-speed``): fitted on one run
 #: (docs/benchmarks.md)
 STALL_SPEED = 0.3
@@ -737,38 +750,47 @@ def summarize_sim(
 ExamplePolicy = str | Callable[[], "Policy | str"]
 
 
-def example_policy(name: str, example_args: Sequence[str]) -> ExamplePolicy:
+def example_policy(
+    name: str, example_args: Sequence[str], flag: str = "--first-token-pause-share"
+) -> ExamplePolicy:
     """The policy the kvbudget example ran with ``--policy name`` and serve_bench's
     ``--example-arg``s: the name, with the policy settings among those arguments
     (``--first-token-pause-share``) applied as the example applies them. The example's other
-    arguments (its queue bound, tenants, limits) are not its policy and are not simulated."""
+    arguments (its queue bound, tenants, limits) are not its policy and are not simulated.
+    ``kvbudget serve``'s with its ``--serve-arg``s: ``flag`` :data:`SERVE_PAUSE_FLAG`."""
     parser = argparse.ArgumentParser(add_help=False)
-    add_first_token_pause_option(parser)
+    add_first_token_pause_option(parser, flag)
     known, _ = parser.parse_known_args(list(example_args))
-    if known.first_token_pause_share == POLICY_DEFAULT:
+    share = getattr(known, flag.lstrip("-").replace("-", "_"))
+    if share == POLICY_DEFAULT:
         return name
-    share = known.first_token_pause_share
     return lambda: server_policy(name, share)
 
 
 def is_simulated(server: str) -> bool:
     """Is ``server`` (a serve_bench server name) one this script simulates?"""
-    return server in SERVERS or sb.queue_cap(server) is not None
+    return server in SERVERS or server == SERVE or sb.queue_cap(server) is not None
 
 
 def servers_in_order(names: Collection[str]) -> tuple[str, ...]:
-    """:data:`SERVERS` and the capped vLLM servers among ``names``, in serve_bench's order
-    (vLLM's server, the capped ones by cap, the example)."""
+    """:data:`SERVERS` and the capped vLLM servers and ``kvbudget serve`` among ``names``, in
+    serve_bench's order (vLLM's server, the capped ones by cap, the example, ``kvbudget
+    serve``)."""
     caps = {n: cap for n in names if (cap := sb.queue_cap(n)) is not None}
     capped = sorted(caps, key=caps.__getitem__)
-    return (SERVERS[0], *capped, *SERVERS[1:])
+    return (SERVERS[0], *capped, *SERVERS[1:], *((SERVE,) if SERVE in names else ()))
 
 
-def simulated_policy(server: str, example: ExamplePolicy) -> ExamplePolicy:
-    """The simulated policy of ``server``: the example's, or vLLM's baseline (with the cap of a
-    ``vllm-cap<N>``: ``max_num_queued_reqs`` N, refused callers answered 503 as vLLM does)."""
+def simulated_policy(
+    server: str, example: ExamplePolicy, serve: ExamplePolicy | None = None
+) -> ExamplePolicy:
+    """The simulated policy of ``server``: the example's, ``kvbudget serve``'s (``serve``;
+    None: the example's), or vLLM's baseline (with the cap of a ``vllm-cap<N>``:
+    ``max_num_queued_reqs`` N, refused callers answered 503 as vLLM does)."""
     if server == "kvbudget":
         return example
+    if server == SERVE:
+        return example if serve is None else serve
     cap = sb.queue_cap(server)
     if cap is None:
         return VLLM_POLICY
@@ -776,16 +798,20 @@ def simulated_policy(server: str, example: ExamplePolicy) -> ExamplePolicy:
 
 
 def simulated_config(server: str) -> SchedulerConfig | None:
-    """The scheduler's knobs of ``server`` in the simulator: the example's are those the vLLM
-    adapter sets (``BudgetedEngine``: every grant charged :data:`DEFAULT_SLACK_TOKENS` past its
-    boundary, which takes one more block where a boundary falls that near a block's end);
-    vLLM's baseline charges nothing past what it holds (None: the default)."""
-    return SchedulerConfig(slack_tokens=DEFAULT_SLACK_TOKENS) if server == "kvbudget" else None
+    """The scheduler's knobs of ``server`` in the simulator: the budgeted servers' are those
+    the vLLM adapter sets (``BudgetedEngine``, under the example and ``kvbudget serve`` alike:
+    every grant charged :data:`DEFAULT_SLACK_TOKENS` past its boundary, which takes one more
+    block where a boundary falls that near a block's end); vLLM's baseline charges nothing past
+    what it holds (None: the default)."""
+    return (
+        SchedulerConfig(slack_tokens=DEFAULT_SLACK_TOKENS) if server in BUDGETED_SERVERS
+        else None
+    )
 
 
 def policy_name(server: str, example: str) -> str:
     """How :func:`simulated_policy` of ``server`` is named in the output's meta."""
-    if server == "kvbudget":
+    if server in BUDGETED_SERVERS:
         return example
     cap = sb.queue_cap(server)
     return VLLM_POLICY if cap is None else f"{VLLM_POLICY} (max_num_queued_reqs {cap})"
@@ -807,6 +833,7 @@ def simulate_workloads(
     pace: str = "phases",
     servers: Sequence[str] = SERVERS,
     wait_outcomes: str = "sim",
+    serve_policy: ExamplePolicy | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``{workload: {server: summary}}`` of the simulated runs, workloads in serve_bench's order,
     each server's budget models carried from one workload to the next (module docstring).
@@ -821,7 +848,8 @@ def simulate_workloads(
     replayed run's own streams show, not the profile's: per window (``pace`` "phases",
     :func:`phased_simulation`; its summary also says ``window_step_scales``) or one for the run
     (:func:`paced_simulation`; "run"); each such summary says its ``step_scale``. ``servers``:
-    the servers simulated (:func:`servers_in_order`; each with :func:`simulated_policy`).
+    the servers simulated (:func:`servers_in_order`; each with :func:`simulated_policy`;
+    ``serve_policy``: ``kvbudget serve``'s, where it differs from the example's ``policy``).
     ``wait_outcomes``: what a budgeted server's turn-away at arrival knows at each workload's
     start: what its simulated runs of the workloads before taught it ("sim") or, with "real"
     where the replayed run recorded it, what the real server had learned then
@@ -835,7 +863,7 @@ def simulate_workloads(
         s: attrs.evolve(engine, front_end=(front_ends or {}).get(s, engine.front_end))
         for s in servers
     }
-    policies = {s: simulated_policy(s, policy) for s in servers}
+    policies = {s: simulated_policy(s, policy, serve_policy) for s in servers}
     carried = {
         s: (LengthModel(), probed_cost(engine) if s in PROBING_SERVERS else CostModel())
         for s in servers
@@ -953,9 +981,9 @@ def simulate_workloads(
     return out
 
 
-#: servers whose budget measures the engine's prefill before its first caller (the example's
-#: BudgetedEngine, :func:`probed_cost`)
-PROBING_SERVERS = ("kvbudget",)
+#: servers whose budget measures the engine's prefill before its first caller (the
+#: BudgetedEngine of the example and of ``kvbudget serve``, :func:`probed_cost`)
+PROBING_SERVERS = BUDGETED_SERVERS
 
 
 def probed_cost(engine: EngineModel) -> CostModel:
@@ -979,11 +1007,11 @@ def probed_cost(engine: EngineModel) -> CostModel:
 #: session (the front end's share between them): its first-token pauses, which the scheduler
 #: decides from that pace, then came out too few in the simulator
 PACE_DEFAULT = "phases"
-PACED_SERVERS = ("vllm", "kvbudget")
+PACED_SERVERS = ("vllm", *BUDGETED_SERVERS)
 #: servers whose streams' pace is read without each stream's longest gap where that is a
-#: pause (over PAUSE_GAP_S: serve_bench's stall): the example's, whose pauses are its policy's
-#: doing, and what is predicted, not the engine's pace (each stream pauses at most once)
-PAUSING_SERVERS = ("kvbudget",)
+#: pause (over PAUSE_GAP_S: serve_bench's stall): the budgeted servers', whose pauses are their
+#: policy's doing, and what is predicted, not the engine's pace (each stream pauses at most once)
+PAUSING_SERVERS = BUDGETED_SERVERS
 PAUSE_GAP_S = sb.STALL_GAP_S
 #: ``--pace run``: the engine's step times are scaled until the simulated streams' mean gap
 #: between tokens is within this share of the real run's, in at most PACE_TRIALS simulations,
@@ -1567,7 +1595,8 @@ def load_real(path: Path) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[st
             records.setdefault(workload, {})[server] = runs[0].get("records", [])
         if not real:
             raise SystemExit(
-                f"{path}: no records-<workload>-<vllm|vllm-cap<N>|kvbudget>-r<k>.json files"
+                f"{path}: no records-<workload>-<server>-r<k>.json files of vllm, "
+                "vllm-cap<N>, kvbudget or kvbudget-serve"
             )
         return real, records
     doc = result_line(path)
@@ -1584,10 +1613,13 @@ def load_real(path: Path) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[st
 #: their defaults (serve_bench's own)
 RUN_SETTINGS: dict[str, Any] = {
     "bench_arg": [], "seed": 0, "num_prompts_scale": 1.0, "policy": "calibrated",
-    "example_arg": [], "kv_blocks": sb.KV_BLOCKS, "max_num_seqs": sb.MAX_NUM_SEQS,
+    "example_arg": [], "serve_arg": [], "kv_blocks": sb.KV_BLOCKS,
+    "max_num_seqs": sb.MAX_NUM_SEQS,
 }
 #: each as serve_bench records it (its result's ``meta``, its ``--out`` directory's settings)
-_RECORDED_AS = {"bench_arg": "bench_args", "example_arg": "example_args"}
+_RECORDED_AS = {
+    "bench_arg": "bench_args", "example_arg": "example_args", "serve_arg": "serve_args",
+}
 
 
 def run_settings_of(path: Path) -> dict[str, Any] | None:
@@ -1618,6 +1650,10 @@ def result_line(path: Path) -> dict[str, Any] | None:
     return doc
 
 
+#: the settings that are lists of arguments
+_LISTS = ("bench_arg", "example_arg", "serve_arg")
+
+
 def adopt_run_settings(opts: argparse.Namespace, settings: Mapping[str, Any] | None) -> None:
     """``--real``: plan the requests the run sent. Each setting the run recorded is taken
     from it; one given on the command line that differs from the run's is an error (the
@@ -1636,7 +1672,7 @@ def adopt_run_settings(opts: argparse.Namespace, settings: Mapping[str, Any] | N
                 f"{flag} {mine!r} differs from the real run's {recorded!r}: leave it out to "
                 f"simulate the requests that run sent"
             )
-        setattr(opts, key, list(recorded) if key in ("bench_arg", "example_arg") else recorded)
+        setattr(opts, key, list(recorded) if key in _LISTS else recorded)
     ran = settings.get("workloads")
     if opts.workload is None and isinstance(ran, list):
         opts.workloads = [w for w in sb.WORKLOADS if w in ran]
@@ -1841,7 +1877,7 @@ def entry_servers(entry: Mapping[str, Any]) -> list[str]:
 
 def format_table(result: Mapping[str, Mapping[str, Any]]) -> str:
     head = (
-        f"{'workload':<13} {'server':<10} {'good r/s':>10} {'late r/s':>10} {'rej r/s':>9} "
+        f"{'workload':<13} {'server':<14} {'good r/s':>10} {'late r/s':>10} {'rej r/s':>9} "
         f"{'aband r/s':>10} {'good err':>9} {'target':>6} {'ttft50 r/s':>13} "
         f"{'tpot50ms r/s':>12} {'frozen r/s':>10}  order"
     )
@@ -1862,7 +1898,7 @@ def format_table(result: Mapping[str, Mapping[str, Any]]) -> str:
                 True: "same", False: "DIFFERENT", None: "-"
             }[entry["same_order"]]
             lines.append(
-                f"{workload:<13} {server:<10} {pair('good'):>10} {pair('late'):>10} "
+                f"{workload:<13} {server:<14} {pair('good'):>10} {pair('late'):>10} "
                 f"{pair('rejected'):>9} {pair('abandoned'):>10} {rel:>9} {ok:>6} "
                 f"{pair('ttft_p50_s'):>13} {pair('tpot_p50_ms'):>12} "
                 f"{pair('frozen_streams'):>10}  {order}"
@@ -1928,6 +1964,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="one more argument of the kvbudget example, as serve_bench's "
                         "--example-arg (repeatable; the policy's settings among them, "
                         "--first-token-pause-share, are simulated; default: the run's, else none)")
+    p.add_argument("--serve-arg", action="append", default=None, metavar="ARG",
+                   help="one more argument of kvbudget serve, as serve_bench's --serve-arg "
+                        f"(repeatable; its policy's settings among them, {SERVE_PAUSE_FLAG}, "
+                        "are simulated for kvbudget-serve; default: the run's, else none)")
     p.add_argument("--seed", type=int, default=None,
                    help="serve_bench's dataset seed (default: the run's, else 0)")
     p.add_argument("--kv-blocks", type=int, default=None, metavar="N",
@@ -2116,6 +2156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             scale=opts.num_prompts_scale, tok=tok, bench_args=opts.bench_arg, replay=replay,
             stall_speed=opts.stall_speed, front_ends=front_ends, paced=paced, pace=opts.pace,
             servers=servers, wait_outcomes=opts.wait_outcomes,
+            serve_policy=example_policy(opts.policy, opts.serve_arg, SERVE_PAUSE_FLAG),
         )
         for replay in replays
     ])
@@ -2213,6 +2254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "num_prompts_scale": opts.num_prompts_scale,
             "bench_args": list(opts.bench_arg),
             "example_args": list(opts.example_arg),
+            "serve_args": list(opts.serve_arg),
             "unmodelled": unmodelled,
             "send_times": send_times,
             "stall_speed": opts.stall_speed,

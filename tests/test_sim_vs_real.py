@@ -292,10 +292,14 @@ def test_records_dir_and_translation_check(
             {"summary": _summary(good, 30 - good if good < 30 else 0), "records": records}
         ))
     real, recs = svr.load_real(tmp_path)
-    # kvbudget serve is not simulated; vLLM's server with each queue cap is, in cap order
+    # vLLM's server with each queue cap in cap order, the example, then kvbudget serve, each
+    # from its own files
     assert set(real) == {"burst"}
-    assert list(real["burst"]) == ["vllm", "vllm-cap8", "vllm-cap16", "kvbudget"]
+    assert list(real["burst"]) == [
+        "vllm", "vllm-cap8", "vllm-cap16", "kvbudget", "kvbudget-serve"
+    ]
     assert real["burst"]["kvbudget"]["good"] == 25
+    assert real["burst"]["kvbudget-serve"]["good"] == 99
     check = svr.translation_check({"burst": plan}, recs)
     assert check["burst"]["vllm"] == {
         "matched": 30, "of": 30, "prompt_len_differs": 1, "max_prompt_len_diff": 1,
@@ -306,6 +310,8 @@ def test_records_dir_and_translation_check(
     out = _last_json(text)
     assert out["translation"]["burst"]["kvbudget"]["matched"] == 30
     assert "burst" in text.splitlines()[2]  # the table row
+    assert out["workloads"]["burst"]["kvbudget-serve"]["sim"]["policy"] == "calibrated"
+    assert out["meta"]["policies"]["kvbudget-serve"] == "calibrated"
 
 
 def test_real_runs_on_a_different_machine_than_their_reference_are_flagged(
@@ -456,6 +462,52 @@ def test_the_examples_policy_settings_are_simulated() -> None:
     opts = svr.parse_args(["--real", "x", "--example-arg=--first-token-pause-share=0.5"])
     with pytest.raises(SystemExit, match="--example-arg"):
         svr.adopt_run_settings(opts, {"example_args": ["--first-token-pause-share=off"]})
+
+
+def test_kvbudget_serve_is_the_examples_policy_and_budget_with_its_own_settings() -> None:
+    """``kvbudget serve`` is simulated where the run has it: the example's policy and budget
+    (the adapter's slack, the prefill measured before the first caller, its pace from its own
+    streams less their pauses), with its own pause share (``--serve-arg``, its flag
+    ``--kvbudget-first-token-pause-share``), which the run recorded and the output keeps."""
+    from kvbudget.core.policy import CalibratedPolicy
+
+    serve = svr.SERVE
+    assert svr.is_simulated(serve) and serve in svr.BUDGETED_SERVERS
+    for rule in (svr.PROBING_SERVERS, svr.PACED_SERVERS, svr.PAUSING_SERVERS):
+        assert "kvbudget" in rule and serve in rule
+    assert svr.simulated_config(serve) == svr.simulated_config("kvbudget") is not None
+    assert svr.servers_in_order({"vllm", serve}) == ("vllm", "kvbudget", serve)
+    assert svr.servers_in_order({"vllm"}) == ("vllm", "kvbudget")
+    # the example's flag is not serve's, nor the other way round
+    assert svr.example_policy("calibrated", ["--first-token-pause-share=0.5"],
+                              svr.SERVE_PAUSE_FLAG) == "calibrated"
+    assert svr.example_policy("calibrated", [f"{svr.SERVE_PAUSE_FLAG}=0.5"]) == "calibrated"
+    mine = svr.example_policy("calibrated", [f"{svr.SERVE_PAUSE_FLAG}=0.5"], svr.SERVE_PAUSE_FLAG)
+    assert not isinstance(mine, str)
+    made = mine()
+    assert isinstance(made, CalibratedPolicy) and made.first_token_pause_share == 0.5
+    assert svr.simulated_policy(serve, "calibrated", mine) is mine
+    assert svr.simulated_policy(serve, "calibrated") == "calibrated"  # none: the example's
+    assert svr.simulated_policy("kvbudget", "calibrated", mine) == "calibrated"
+    # simulated: serve's pauses for first tokens (on here) change serve's run, not the example's
+    profile = svr.load_profile(svr.DEFAULT_PROFILE, None)
+    on = svr.example_policy("calibrated", [f"{svr.SERVE_PAUSE_FLAG}=0.75"], svr.SERVE_PAUSE_FLAG)
+    both = svr.simulate_workloads(
+        ["burst"], profile=profile, servers=("vllm", "kvbudget", serve), serve_policy=on
+    )["burst"]
+    alone = svr.simulate_workloads(["burst"], profile=profile)["burst"]
+    assert both["kvbudget"]["good"] == alone["kvbudget"]["good"]
+    assert both[serve]["budget_preemptions"] != both["kvbudget"]["budget_preemptions"]
+    assert both[serve]["good"] > both["kvbudget"]["good"]  # a burst served by rounds of pauses
+    recorded = sb.run_settings(sb.parse_args(
+        ["--workload", "burst", f"--serve-arg={svr.SERVE_PAUSE_FLAG}=off"]), [])
+    assert recorded["serve_args"] == [f"{svr.SERVE_PAUSE_FLAG}=off"]
+    opts = svr.parse_args(["--real", "x"])
+    svr.adopt_run_settings(opts, recorded)
+    assert opts.serve_arg == [f"{svr.SERVE_PAUSE_FLAG}=off"]
+    opts = svr.parse_args(["--real", "x", f"--serve-arg={svr.SERVE_PAUSE_FLAG}=0.5"])
+    with pytest.raises(SystemExit, match="--serve-arg"):
+        svr.adopt_run_settings(opts, recorded)
 
 
 def test_freezes_real_and_simulated() -> None:
