@@ -269,6 +269,8 @@ DEFAULT_PROFILE = "vllm-cpu-tiny"
 #: ``--engine-profile run``: the profile serve_bench kept from the kvbudget server of the real run
 RUN_PROFILE = "run"
 RUN_PROFILE_FILE = "engine-profile-kvbudget.json"
+#: ... or, in a run without the example, the one ``kvbudget serve`` fitted
+SERVE_PROFILE_FILE = "engine-profile-kvbudget-serve.json"
 #: the issue's target: simulated good within 15 % or 5 requests of the real run
 TARGET_SHARE = 0.15
 TARGET_REQUESTS = 5
@@ -1854,7 +1856,8 @@ def compare(
             entry[server] = {
                 "real": r, "sim": s, "error": error(r, s) if r is not None and s else None
             }
-        if all(per_real.get(x) is not None for x in SERVERS):
+        if sum(per_real.get(x) is not None for x in per_sim) >= 2:
+            # (every pair of servers both sides have: vLLM's and the example's, or any two)
             entry["same_order"] = same_order(per_real, per_sim)
         else:
             entry["same_order"] = None
@@ -2056,14 +2059,18 @@ def load_profile(
     choice: str, run_dir: Path | None, intake_ms: float | None = None
 ) -> EngineProfile:
     """``--engine-profile``: a file or shipped name, or :data:`RUN_PROFILE` (the run's own where
-    ``run_dir`` holds one, else :data:`DEFAULT_PROFILE`), with ``--intake-ms``'s intake where
-    given. A run's own profile is fitted from its engine's steps, which do not tell the intake
-    apart (the engine model's module docstring): it takes :data:`DEFAULT_PROFILE`'s, measured on
-    the machine serve_bench runs on; a profile named or given as a file keeps its own."""
+    ``run_dir`` holds one: the example's, else ``kvbudget serve``'s; else
+    :data:`DEFAULT_PROFILE`), with ``--intake-ms``'s intake where given. A run's own profile
+    is fitted from its engine's steps, which do not tell the intake apart (the engine model's
+    module docstring): it takes :data:`DEFAULT_PROFILE`'s, measured on the machine serve_bench
+    runs on; a profile named or given as a file keeps its own."""
     if choice != RUN_PROFILE:
         profile = EngineProfile.load(choice)
-    elif run_dir is not None and (run_dir / RUN_PROFILE_FILE).exists():
-        profile = EngineProfile.load(run_dir / RUN_PROFILE_FILE)
+    elif run_dir is not None and (
+        (own := run_dir / RUN_PROFILE_FILE).exists()
+        or (own := run_dir / SERVE_PROFILE_FILE).exists()
+    ):
+        profile = EngineProfile.load(own)
         if not profile.intake_s:
             profile = attrs.evolve(
                 profile, intake_s=EngineProfile.load(DEFAULT_PROFILE).intake_s

@@ -226,6 +226,17 @@ def test_error_target_and_order() -> None:
     assert svr.same_order(real, {"vllm": {"good": 20}, "kvbudget": {"good": 50}})
     assert not svr.same_order(real, {"vllm": {"good": 60}, "kvbudget": {"good": 40}})
     assert svr.same_order(real, {"vllm": {"good": 52}, "kvbudget": {"good": 50}})  # a tie
+    # judged wherever two servers have a real side (a run of vLLM's and kvbudget serve alone
+    # too), not where one has
+    counts = {"late": 0, "rejected": 0}
+    sim = {"burst": {s: {"good": g, **counts} for s, g in
+                     (("vllm", 20), ("kvbudget", 25), ("kvbudget-serve", 10))}}
+    two = {"vllm": {"good": 30, **counts}, "kvbudget-serve": {"good": 12, **counts}}
+    assert svr.compare({"burst": two}, sim)["burst"]["same_order"] is True
+    swapped = {"vllm": {"good": 12, **counts}, "kvbudget-serve": {"good": 30, **counts}}
+    assert svr.compare({"burst": swapped}, sim)["burst"]["same_order"] is False
+    one = {"vllm": {"good": 30, **counts}}
+    assert svr.compare({"burst": one}, sim)["burst"]["same_order"] is None
 
 
 # -- the whole script over a --real fixture -----------------------------------------------------
@@ -562,6 +573,10 @@ def test_the_engine_profile_is_the_runs_own_where_the_run_kept_one(tmp_path: pat
     })
     assert svr.load_profile(svr.RUN_PROFILE, tmp_path).name == shipped.name
     assert svr.load_profile(svr.RUN_PROFILE, None).name == shipped.name
+    # a run without the example: kvbudget serve's own; with it: the example's
+    serves = EngineProfile.from_dict({**own.to_dict(), "name": "tiny-serve"})
+    (tmp_path / svr.SERVE_PROFILE_FILE).write_text(json.dumps(serves.to_dict()))
+    assert svr.load_profile(svr.RUN_PROFILE, tmp_path).name == "tiny-serve"
     (tmp_path / svr.RUN_PROFILE_FILE).write_text(json.dumps(own.to_dict()))
     picked = svr.load_profile(svr.RUN_PROFILE, tmp_path)
     assert picked.name == "tiny-run" and picked.step.fixed_s == 0.001
