@@ -763,7 +763,7 @@ def example_policy(
     parser = argparse.ArgumentParser(add_help=False)
     add_first_token_pause_option(parser, flag)
     known, _ = parser.parse_known_args(list(example_args))
-    share = getattr(known, flag.lstrip("-").replace("-", "_"))
+    (share,) = vars(known).values()  # (the parser's one option, whatever its flag)
     if share == POLICY_DEFAULT:
         return name
     return lambda: server_policy(name, share)
