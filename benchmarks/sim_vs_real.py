@@ -158,6 +158,14 @@ its pauses from the pace its streams get: on its own profile the simulator had 4
 streams on shared prefix and 52 of 76 on multi-prefix (``/tmp/sb18a``), 59 and 59 paced.
 ``--pace none`` runs both at the run's profile's pace.
 
+A what-if, not a prediction: ``--pace-of vllm`` runs every other server on vLLM's server's
+engine as the replay paced it (its profile, and its step-time scale or window scales), each
+still sent and read by its own client. The servers ran one after another, each on the same
+2-core machine as its front end: what a heavier front end and the machine's drift between their
+turns did to each engine's pace is then left out, and what is compared is the servers'
+decisions on one engine (the summaries say ``paced_as``; docs/benchmarks.md, forty-first
+session).
+
 The servers' front ends (``--front-end run``; off by default). serve_bench counts the CPU time
 of each server's front-end process over each workload; :func:`front_ends_of` fits each server's
 cost per request and per streamed output from those counts
@@ -836,6 +844,7 @@ def simulate_workloads(
     servers: Sequence[str] = SERVERS,
     wait_outcomes: str = "sim",
     serve_policy: ExamplePolicy | None = None,
+    pace_of: str | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``{workload: {server: summary}}`` of the simulated runs, workloads in serve_bench's order,
     each server's budget models carried from one workload to the next (module docstring).
@@ -856,7 +865,11 @@ def simulate_workloads(
     start: what its simulated runs of the workloads before taught it ("sim") or, with "real"
     where the replayed run recorded it, what the real server had learned then
     (:func:`with_wait_outcomes`); its summary says both and which was used
-    (``wait_outcomes_at_start``)."""
+    (``wait_outcomes_at_start``). ``pace_of`` (a what-if, ``--pace-of``): every other server
+    on that server's engine as it was paced in the replay (its profile, its step-time scale or
+    window scales), each still sent and read by its own client: the servers' decisions
+    compared on one engine, without what their front ends and the machine's drift between
+    their turns did to it (the summaries say ``paced_as``)."""
     send_times = replay.send_times if replay is not None else {}
     # (at the simulator's default tick, the real shells' interval: a queued caller past its
     # bound is turned away at most that late, and may be admitted in between)
@@ -874,15 +887,23 @@ def simulate_workloads(
     # the calibration of its wait forecasts): the real server keeps its scheduler from one
     # workload to the next
     memories: dict[str, ForecastMemory | None] = {s: None for s in servers}
+    if pace_of is not None and pace_of not in servers:
+        raise ValueError(f"--pace-of {pace_of}: not among the servers {', '.join(servers)}")
+    # the server whose engine the others run on (pace_of) goes first
+    order = servers if pace_of is None else (pace_of, *(s for s in servers if s != pace_of))
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name in [w for w in sb.WORKLOADS if w in names]:
         plan, limits = context_limits(plan_workload(name, seed, tok, scale, bench_args))
         planned = sim_requests(plan)
         per: dict[str, dict[str, Any]] = {}
         own = replay.profiles.get(name, {}) if replay is not None else {}
-        for server in servers:
+        # pace_of's engine as this workload ran on it: (engine, scale, slower windows)
+        lead: tuple[EngineModel, float, list[tuple[float, float, float]] | None] | None = None
+        for server in order:
             engine_of = engines[server]
-            if server in own:  # this run's own engine pace, from its own steps
+            if lead is not None:
+                engine_of = attrs.evolve(lead[0], front_end=engines[server].front_end)
+            elif server in own:  # this run's own engine pace, from its own steps
                 engine_of = attrs.evolve(
                     own[server].engine_model(),
                     front_end=engines[server].front_end,
@@ -938,24 +959,39 @@ def simulate_workloads(
             window_scales: list[float] | None = None
             phased = (
                 phased_simulation(run_at, phases, client, server in PAUSING_SERVERS)
-                if server in paced and pace == "phases" and phases is not None
+                if lead is None and server in paced and pace == "phases" and phases is not None
                 else None
             )
-            if phased is not None:
+            # (the engine as run_at ran it: the base scale and the slower windows)
+            base: float | None = None
+            windows: list[tuple[float, float, float]] | None = None
+            if lead is not None:
+                _engine, base, windows = lead
+                result, carried[server] = run_at(base, windows)
+                step_scale = base
+            elif phased is not None:
                 (result, carried[server]), window_scales = phased
                 step_scale = window_scales[-1]
+                assert phases is not None
+                base, windows = phase_spans(window_scales, phases.edges)
             elif server in paced and target is not None:
                 (result, carried[server]), step_scale = paced_simulation(
                     run_at, target, client, server in PAUSING_SERVERS
                 )
             else:
                 (result, carried[server]), step_scale = run_at(1.0), 1.0
+            if server == pace_of:
+                lead = (engine_of, step_scale if base is None else base, windows)
             memories[server] = result.forecast_memory
             summary = summarize_sim(result.request_records, client, limits)
             summary["step_scale"] = round(step_scale, 3)
             if window_scales is not None:
                 summary["window_step_scales"] = [round(x, 3) for x in window_scales]
-            summary["engine_profile"] = "this run's" if server in own else "the run's"
+            if pace_of is not None and server != pace_of:
+                summary["engine_profile"] = f"{pace_of}'s"
+                summary["paced_as"] = pace_of
+            else:
+                summary["engine_profile"] = "this run's" if server in own else "the run's"
             summary["policy"] = result.policy
             if server in PAUSING_SERVERS:
                 # (the ledger grants every block before the engine takes it: a simulated
@@ -979,7 +1015,7 @@ def simulate_workloads(
             summary["rejections_by_reason"] = dict(result.rejections_by_reason)
             summary["prefix_hit_rate"] = round(result.prefix_hit_rate, 3)
             per[server] = summary
-        out[name] = per
+        out[name] = {s: per[s] for s in servers}
     return out
 
 
@@ -1955,6 +1991,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "each from the streams of its phase), and the example's on its engine "
                         "profile of each run where serve_bench kept one; or both at the "
                         f"profile's (none) (default {PACE_DEFAULT})")
+    p.add_argument("--pace-of", default=None, metavar="SERVER",
+                   help="a what-if, not a prediction: every other server simulated on SERVER's "
+                        "engine as it was paced in the replayed run (its profile and step-time "
+                        "scales; --pace), each still sent and read by its own client: the "
+                        "servers' decisions compared on one engine, without what their front "
+                        "ends and the machine's drift between their turns did to it (e.g. "
+                        "--pace-of vllm)")
     p.add_argument("--wait-outcomes", choices=("sim", "real"), default="sim",
                    help="what the example's turn-away at arrival knows at each workload's "
                         "start: what the simulated runs of the workloads before taught it "
@@ -2151,6 +2194,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
     front_ends = {server: fe for server, (fe, _) in fitted.items()}
     servers = servers_in_order({s for per in real.values() for s in per})
+    if opts.pace_of is not None:
+        if opts.pace_of not in servers:
+            raise SystemExit(f"sim_vs_real: --pace-of {opts.pace_of}: not one of this run's "
+                             f"servers ({', '.join(servers)})")
+        print(f"# WHAT-IF (--pace-of {opts.pace_of}): every other server on {opts.pace_of}'s "
+              "engine as it was paced; its sim figures are not predictions of its real run",
+              file=sys.stderr)
     paced = (
         tuple(s for s in servers if s in PACED_SERVERS or sb.queue_cap(s) is not None)
         if opts.pace != "none" and send_times == "real"
@@ -2164,6 +2214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stall_speed=opts.stall_speed, front_ends=front_ends, paced=paced, pace=opts.pace,
             servers=servers, wait_outcomes=opts.wait_outcomes,
             serve_policy=example_policy(opts.policy, opts.serve_arg, SERVE_PAUSE_FLAG),
+            pace_of=opts.pace_of,
         )
         for replay in replays
     ])
@@ -2256,6 +2307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "intake_s": profile.intake_s,
             "step_scale": opts.step_scale,
             "paced": list(paced),
+            # a what-if: every other server on this one's engine as it was paced (not predictions)
+            "pace_of": opts.pace_of,
             "policies": {s: policy_name(s, opts.policy) for s in servers},
             "seed": opts.seed,
             "num_prompts_scale": opts.num_prompts_scale,

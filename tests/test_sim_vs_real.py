@@ -1141,3 +1141,54 @@ def test_each_simulated_server_keeps_its_forecast_from_one_workload_to_the_next(
     # (34 turned away with grants a block ahead; 18 with the tight grants, which serve 16 more)
     assert after["rejections_by_reason"].get("deadline", 0) >= 10
     assert after["good"] + after["rejected"] == 160 and after["late"] == 0
+
+
+def test_pace_of_runs_every_server_on_one_servers_engine_as_it_was_paced(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--pace-of vllm`` (a what-if): the example runs on vLLM's server's engine as the replay
+    paced it (vLLM's profile and step-time scale), not on its own engine profile and streams'
+    pace: a run whose example engine was twice as slow as vLLM's is then simulated at vLLM's
+    pace, and says so (``paced_as``); without it, at its own. vLLM's own cell is the same
+    either way. A server the run does not have is refused."""
+    from kvbudget.sim.profile import EngineProfile
+
+    shipped = EngineProfile.load(svr.DEFAULT_PROFILE)
+    plan = svr.plan_workload("burst", 0, TOK)
+    for server, span in (("vllm", 3.0), ("kvbudget", 6.0)):
+        records = []
+        for p in plan:
+            gaps = p.output_tokens - 1
+            records.append(
+                {"request_id": f"sb-{server}-burst-r0-abc-{p.index}", "start": 10.0,
+                 "prompt_len": p.prompt_tokens, "output_len": p.output_tokens,
+                 "outcome": "good", "output_tokens": p.output_tokens, "ttft": 0.1,
+                 "latency": 0.1 + span, "itl": [span / gaps] * gaps}
+            )
+        (tmp_path / f"records-burst-{server}-r0.json").write_text(json.dumps(
+            {"summary": _summary(30, 0), "records": records}
+        ))
+    slow = svr.scaled(shipped, 2.0)
+    (tmp_path / "engine-profile-kvbudget-burst-r0.json").write_text(json.dumps(slow.to_dict()))
+
+    def burst(*extra: str) -> dict[str, Any]:
+        assert svr.main(["--real", str(tmp_path), "--workload", "burst", "--pace", "run",
+                         *extra]) == 0
+        out = _last_json(capsys.readouterr().out)
+        assert out["meta"]["pace_of"] == (extra[-1] if extra else None)
+        cells: dict[str, Any] = out["workloads"]["burst"]
+        return cells
+
+    own, what_if = burst(), burst("--pace-of", "vllm")
+    assert list(what_if) == list(own)  # (the servers in serve_bench's order)
+    assert what_if["vllm"]["sim"] == own["vllm"]["sim"]
+    example = what_if["kvbudget"]["sim"]
+    assert example["paced_as"] == "vllm" and example["engine_profile"] == "vllm's"
+    assert "paced_as" not in own["kvbudget"]["sim"]
+    assert own["kvbudget"]["sim"]["engine_profile"] == "this run's"
+    assert example["step_scale"] == what_if["vllm"]["sim"]["step_scale"]
+    # on vLLM's engine, the example's streams go at vLLM's pace, not at half of it
+    assert example["tpot_p50_ms"] == pytest.approx(what_if["vllm"]["sim"]["tpot_p50_ms"], rel=0.25)
+    assert own["kvbudget"]["sim"]["tpot_p50_ms"] > 1.5 * example["tpot_p50_ms"]
+    with pytest.raises(SystemExit, match="not one of this run's servers"):
+        svr.main(["--real", str(tmp_path), "--workload", "burst", "--pace-of", "kvbudget-serve"])
