@@ -1,0 +1,63 @@
+"""The pure parts of ``benchmarks/frontend_cpu.py`` (its servers are serve_bench's, whose real
+runs tests/test_serve_bench.py and the benchmark itself cover)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any
+
+import pytest
+
+from _bench_loader import load_benchmark
+
+fc = load_benchmark("frontend_cpu")
+
+
+def _round(**us: float) -> dict[str, dict[str, Any]]:
+    return {name: {"frontend_us_per_token": v} for name, v in us.items()}
+
+
+def test_ratios_are_taken_within_each_round_against_vllms_server_and_the_base() -> None:
+    """A machine twice as slow in one round moves every server alike: the per-round ratios
+    stay, the medians of the figures do not."""
+    rounds = [
+        _round(vllm=50.0, **{"kvbudget-serve": 60.0, fc.BASE: 66.0}),
+        _round(vllm=100.0, **{"kvbudget-serve": 110.0, fc.BASE: 132.0}),
+        _round(vllm=52.0, **{"kvbudget-serve": 65.0, fc.BASE: 65.0}),
+    ]
+    s = fc.summary(rounds, ["vllm", "kvbudget-serve", fc.BASE])
+    assert s["vllm"] == {"us_per_token_median": 52.0, "us_per_token_range": [50.0, 100.0]}
+    serve = s["kvbudget-serve"]
+    assert serve["ratio_to_vllm_median"] == 1.2
+    assert serve["ratio_to_vllm_range"] == [1.1, 1.25]
+    assert serve["ratio_to_base_median"] == pytest.approx(0.909, abs=1e-3)
+    assert serve["ratio_to_base_range"] == [pytest.approx(0.833, abs=1e-3), 1.0]
+    assert "ratio_to_base_median" not in s[fc.BASE]  # (not against itself)
+    assert "ratio_to_vllm_median" in s[fc.BASE]
+
+
+def test_the_order_rotates_each_round() -> None:
+    names = ["vllm", "kvbudget-serve", "kvbudget"]
+    assert [fc.rotated(names, k)[0] for k in range(4)] == ["vllm", "kvbudget-serve",
+                                                           "kvbudget", "vllm"]
+
+
+def test_options_are_checked(tmp_path: pathlib.Path) -> None:
+    assert fc.parse_args([]).names == ["vllm", "kvbudget-serve"]
+    for bad in (["--servers", "vllm,tgi"], ["--servers", ""], ["--rounds", "0"],
+                ["--against", str(tmp_path)]):
+        with pytest.raises(SystemExit):
+            fc.parse_args(bad)
+    (tmp_path / "src" / "kvbudget").mkdir(parents=True)
+    opts = fc.parse_args(["--against", str(tmp_path), "--servers", "vllm"])
+    assert opts.names == ["vllm", fc.BASE]
+
+
+def test_the_base_server_imports_kvbudget_from_its_own_tree(tmp_path: pathlib.Path) -> None:
+    before = os.environ.get("PYTHONPATH")
+    with fc.pythonpath_first(tmp_path / "src"):
+        assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "src")
+    assert os.environ.get("PYTHONPATH") == before
+    with fc.pythonpath_first(None):
+        assert os.environ.get("PYTHONPATH") == before
