@@ -11,14 +11,17 @@ so neither the budget nor vLLM pauses or preempts anything), prompts are sent as
 tokenization), and every server gets the same streams.
 
 What it does. It starts every server at once on the tiny model (``--servers``; a budgeted server
-whose budget pauses or preempts during a round is flagged in that round), then for ``--rounds``
+whose budget pauses or preempts, or turns a caller away, during a round is flagged in that
+round; so is a server whose engine preempts), then for ``--rounds``
 rounds drives each server in turn (the order rotates every round; the others stopped meanwhile,
 SIGSTOP to their process groups: an idle vLLM engine core still takes CPU here) with
 ``--requests`` streaming ``/v1/completions`` requests, ``--concurrency`` at a time, each
 ``--prompt-len`` token ids and ``--output-len`` tokens (``ignore_eos``, ``return_token_ids``).
 A round measures the front-end process's CPU time (every thread of it, from the OS; its
 engine-core child apart) over the tokens its clients received. One warm-up round, not
-counted, comes first.
+counted, comes first. With a smaller ``--kv-blocks`` and more ``--concurrency`` the same is
+measured under pressure: pauses, preemptions and callers turned away (429 or 503: counted,
+not errors) are then part of what each front end does per token, and each round says how many.
 
 ``--against DIR``: one more ``kvbudget serve`` (``kvbudget-serve@base``) run on the kvbudget
 under ``DIR/src`` (e.g. a ``git worktree`` of the commit before a change), driven in the same
@@ -101,18 +104,23 @@ def engine_preemptions(server: sb.ServerProcess) -> int:
     return int(server.metrics().get("vllm:num_preemptions_total", 0))
 
 
+#: answers that turn a caller away (the budget's 429, vLLM's queue caps' 503): counted, not errors
+TURNED_AWAY = (429, 503)
+
+
 async def drive(
     base_url: str, requests: int, concurrency: int, prompt_len: int, output_len: int, round_: int
-) -> int:
-    """Send the round's streams; the tokens their clients received."""
+) -> tuple[int, int]:
+    """Send the round's streams: (tokens their clients received, callers turned away). Any other
+    answer than 200 or a turn-away raises."""
     import aiohttp  # (vLLM's own dependency)
 
-    received = 0
+    received = turned_away = 0
     gate = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=600)
 
     async def one(session: aiohttp.ClientSession, i: int) -> None:
-        nonlocal received
+        nonlocal received, turned_away
         # distinct prompts (no prefix cache hit between them), the same in every server's turn
         prompt = [1 + (round_ * 7919 + i * 104729 + k * 31) % 900 for k in range(prompt_len)]
         body = {
@@ -120,6 +128,9 @@ async def drive(
             "stream": True, "ignore_eos": True, "return_token_ids": True, "temperature": 1.0,
         }
         async with gate, session.post(f"{base_url}/v1/completions", json=body) as resp:
+            if resp.status in TURNED_AWAY:
+                turned_away += 1
+                return
             if resp.status != 200:
                 raise RuntimeError(f"{base_url}: HTTP {resp.status}: {await resp.text()}")
             async for line in resp.content:
@@ -129,7 +140,7 @@ async def drive(
 
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await asyncio.gather(*(one(session, i) for i in range(requests)))
-    return received
+    return received, turned_away
 
 
 def measure(server: sb.ServerProcess, opts: argparse.Namespace, round_: int) -> dict[str, Any]:
@@ -138,8 +149,8 @@ def measure(server: sb.ServerProcess, opts: argparse.Namespace, round_: int) -> 
     counts = budget_counts(server)
     preempted = engine_preemptions(server)
     t0 = time.monotonic()
-    tokens = asyncio.run(drive(server.base, opts.requests, opts.concurrency, opts.prompt_len,
-                               opts.output_len, round_))
+    tokens, turned_away = asyncio.run(drive(server.base, opts.requests, opts.concurrency,
+                                            opts.prompt_len, opts.output_len, round_))
     wall = time.monotonic() - t0
     after = server.cpu_seconds()
     fe = (after["frontend_cpu_s"] or 0.0) - (before["frontend_cpu_s"] or 0.0)
@@ -157,6 +168,7 @@ def measure(server: sb.ServerProcess, opts: argparse.Namespace, round_: int) -> 
         "budget_preemptions": budget[0] - counts[0],
         "budget_pauses": budget[1] - counts[1],
         "engine_preemptions": engine_preemptions(server) - preempted,
+        "turned_away": turned_away,
         "complete": tokens == expected,
     }
 
@@ -260,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row[name] = m = measured(name, r)
                 flags = [] if m["complete"] else ["INCOMPLETE"]
                 flags += [f"{k}={m[k]}" for k in ("budget_preemptions", "budget_pauses",
-                                                  "engine_preemptions") if m[k]]
+                                                  "engine_preemptions", "turned_away") if m[k]]
                 print(f"round {r} {name:<20} {m['frontend_us_per_token']:7.2f} us/token "
                       f"({m['tokens']} tokens, {m['wall_s']:.2f} s, {m['tokens_per_s']:.0f} "
                       f"tokens/s, engine {m['engine_cpu_s']:.2f} s) {' '.join(flags)}",

@@ -3,6 +3,7 @@ runs tests/test_serve_bench.py and the benchmark itself cover)."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 from typing import Any
@@ -61,3 +62,54 @@ def test_the_base_server_imports_kvbudget_from_its_own_tree(tmp_path: pathlib.Pa
     assert os.environ.get("PYTHONPATH") == before
     with fc.pythonpath_first(None):
         assert os.environ.get("PYTHONPATH") == before
+
+
+def test_the_client_counts_tokens_and_turned_away_callers_over_a_real_socket() -> None:
+    """``drive`` against a small SSE server on loopback: every streamed token id is counted,
+    a 429 or 503 is a caller turned away (counted, the round goes on), and any other answer
+    ends the round with an error that names it."""
+    import asyncio
+
+    from aiohttp import web
+
+    answers: list[int] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        assert body["stream"] and body["ignore_eos"] and body["return_token_ids"]
+        assert len(body["prompt"]) == 16
+        status = answers.pop(0) if answers else 200
+        if status != 200:
+            return web.json_response({"error": "no"}, status=status)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for k in range(body["max_tokens"]):
+            chunk = {"choices": [{"index": 0, "text": "x", "token_ids": [k + 1]}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def scenario() -> list[Any]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        base = f"http://127.0.0.1:{port}"
+        try:
+            answers.extend([429, 503])
+            got = [await fc.drive(base, 6, 3, 16, 5, 0)]
+            answers.append(500)
+            try:
+                await fc.drive(base, 2, 1, 16, 5, 0)
+            except RuntimeError as exc:
+                got.append(str(exc))
+            return got
+        finally:
+            await runner.cleanup()
+
+    counted, error = asyncio.run(scenario())
+    assert counted == (4 * 5, 2)  # four streams of 5 tokens; two callers turned away
+    assert "HTTP 500" in error
