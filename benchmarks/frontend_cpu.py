@@ -14,7 +14,8 @@ What it does. It starts every server at once on the tiny model (``--servers``; a
 whose budget pauses or preempts, or turns a caller away, during a round is flagged in that
 round; so is a server whose engine preempts), then for ``--rounds``
 rounds drives each server in turn (the order rotates every round; the others stopped meanwhile,
-SIGSTOP to their process groups: an idle vLLM engine core still takes CPU here) with
+SIGSTOP to their process groups; every server at serve_bench's niceness: without it the same
+server's figure varied 2x between rounds, the others stopped or not) with
 ``--requests`` streaming ``/v1/completions`` requests, ``--concurrency`` at a time, each
 ``--prompt-len`` token ids and ``--output-len`` tokens (``ignore_eos``, ``return_token_ids``).
 A round measures the front-end process's CPU time (every thread of it, from the OS; its
@@ -79,9 +80,9 @@ def pythonpath_first(path: Path | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def alone(server: sb.ServerProcess, others: Sequence[sb.ServerProcess]) -> Iterator[None]:
-    """The other servers' process groups stopped (SIGSTOP) while ``server`` is measured: an
-    idle vLLM engine core still takes CPU on this machine (its threads spin a while between
-    steps), and with three servers up one round took twice the CPU per token of the next."""
+    """The other servers' process groups stopped (SIGSTOP) while ``server`` is measured, so
+    that nothing of theirs runs beside it (each server's process group is its own: serve_bench
+    starts it in a new session)."""
     groups = [o.proc.pid for o in others if o.proc is not None]
     for g in groups:
         os.killpg(g, signal.SIGSTOP)
