@@ -95,14 +95,21 @@ def alone(server: sb.ServerProcess, others: Sequence[sb.ServerProcess]) -> Itera
                 os.killpg(g, signal.SIGCONT)
 
 
-def budget_counts(server: sb.ServerProcess) -> tuple[int, int]:
-    """(preemptions, pauses) of a budgeted server's budget so far; (0, 0) for vLLM's."""
-    totals = (server.snapshot() or {}).get("totals") or {}
-    return int(totals.get("preemptions", 0)), int(totals.get("pauses", 0))
+#: what a round counts of the waiting it should not have (:func:`waited`)
+WAITS = ("budget_preemptions", "budget_pauses", "engine_preemptions")
 
 
-def engine_preemptions(server: sb.ServerProcess) -> int:
-    return int(server.metrics().get("vllm:num_preemptions_total", 0))
+def waited(server: sb.ServerProcess) -> dict[str, float | None]:
+    """The server's preemptions so far, as serve_bench reads them (``ServerProcess.counters``:
+    the engine's, under vLLM's metric or the example's, and the budget's), and its budget's
+    pauses (its snapshot; None for vLLM's server)."""
+    counters = server.counters()
+    totals = (server.snapshot() or {}).get("totals")
+    return {
+        "budget_preemptions": counters["budget_preemptions"],
+        "budget_pauses": None if totals is None else sb._num(totals.get("pauses", 0)),
+        "engine_preemptions": counters["engine_preemptions"],
+    }
 
 
 #: answers that turn a caller away (the budget's 429, vLLM's queue caps' 503): counted, not errors
@@ -146,9 +153,8 @@ async def drive(
 
 def measure(server: sb.ServerProcess, opts: argparse.Namespace, round_: int) -> dict[str, Any]:
     """One round on one server."""
-    before = server.cpu_seconds()
-    counts = budget_counts(server)
-    preempted = engine_preemptions(server)
+    counts = waited(server)
+    before = server.cpu_seconds()  # (after the scrapes, which cost the front end CPU too)
     t0 = time.monotonic()
     tokens, turned_away = asyncio.run(drive(server.base, opts.requests, opts.concurrency,
                                             opts.prompt_len, opts.output_len, round_))
@@ -156,7 +162,7 @@ def measure(server: sb.ServerProcess, opts: argparse.Namespace, round_: int) -> 
     after = server.cpu_seconds()
     fe = (after["frontend_cpu_s"] or 0.0) - (before["frontend_cpu_s"] or 0.0)
     engine = (after["engine_cpu_s"] or 0.0) - (before["engine_cpu_s"] or 0.0)
-    budget = budget_counts(server)
+    after_counts = waited(server)
     expected = opts.requests * opts.output_len
     return {
         "tokens": tokens,
@@ -166,9 +172,7 @@ def measure(server: sb.ServerProcess, opts: argparse.Namespace, round_: int) -> 
         "frontend_us_per_token": round(1e6 * fe / max(1, tokens), 2),
         "tokens_per_s": round(tokens / wall, 1),
         # the round is not the clean per-token measure it is meant to be where something waited
-        "budget_preemptions": budget[0] - counts[0],
-        "budget_pauses": budget[1] - counts[1],
-        "engine_preemptions": engine_preemptions(server) - preempted,
+        **{k: int(sb._delta(after_counts[k], counts[k]) or 0) for k in WAITS},
         "turned_away": turned_away,
         "complete": tokens == expected,
     }
@@ -272,8 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in rotated(opts.names, r):
                 row[name] = m = measured(name, r)
                 flags = [] if m["complete"] else ["INCOMPLETE"]
-                flags += [f"{k}={m[k]}" for k in ("budget_preemptions", "budget_pauses",
-                                                  "engine_preemptions", "turned_away") if m[k]]
+                flags += [f"{k}={m[k]}" for k in (*WAITS, "turned_away") if m[k]]
                 print(f"round {r} {name:<20} {m['frontend_us_per_token']:7.2f} us/token "
                       f"({m['tokens']} tokens, {m['wall_s']:.2f} s, {m['tokens_per_s']:.0f} "
                       f"tokens/s, engine {m['engine_cpu_s']:.2f} s) {' '.join(flags)}",
