@@ -188,9 +188,14 @@ its prompt runs to the context's end and fails, short of the tokens it asked for
 
 Output: per workload and server a line of real and simulated good / late / rejected /
 abandoned, the relative error of good and whether it meets the issue's target (within 15 % or 5
-requests), real and simulated median TTFT and TPOT, per workload whether the two servers come in
-the same order; then the translation check (records given: per request, the prompt length, output
-length and send time the real client used against the simulated request's), the engine-speed
+requests), the pace band (the simulated good with every step time 2 % faster and slower, from
+the same start: ``good_at_pace_band``, :data:`PACE_BAND`; the pace is fitted only to within that,
+and where waves of streams straddle the 2 s objective such a difference moves a whole wave, so
+the last line also names a miss met within it, and ``error.within_target_in_pace_band`` says
+so; the target's verdict stays the fitted pace's), real and simulated median TTFT and TPOT,
+per workload whether the two servers come in the same order; then the translation check
+(records given: per request, the prompt length, output length and send time the real client
+used against the simulated request's), the engine-speed
 check (vLLM's median TPOT real over simulated on the lightly loaded abandonment workload: how
 fast the engine ran against the profile), the notes on what the simulator does not model, and as
 the LAST line one JSON object ``{"workloads": {NAME: {"vllm": {"real": {...}, "sim": {...},
@@ -928,15 +933,20 @@ def simulate_workloads(
                 assert real_bands is not None
                 memories[server] = with_wait_outcomes(memories[server], real_bands)
 
+            # (what every trial, and the pace band's runs after the one kept, start from)
+            start_models, run_memory = carried[server], memories[server]
+
             def run_at(
                 step_scale: float, slow: Sequence[tuple[float, float, float]] | None = None,
                 server: str = server, scenario: Scenario = scenario,
                 reqs: Sequence[SimRequest] = reqs, stalls: Any = stalls,
                 engine_of: EngineModel = engine_of,
+                start: tuple[LengthModel, CostModel] = start_models,
+                memory: ForecastMemory | None = run_memory,
             ) -> tuple[Any, tuple[LengthModel, CostModel]]:
                 # every trial starts from the models carried so far, and only the run kept
                 # carries its own on to the next workload
-                lengths, cost = copy.deepcopy(carried[server])
+                lengths, cost = copy.deepcopy(start)
                 engine = engine_of if step_scale == 1.0 else scaled_engine(
                     engine_of, step_scale
                 )
@@ -948,7 +958,7 @@ def simulate_workloads(
                     reqs, scenario, engine, chosen if isinstance(chosen, str) else chosen(),
                     seed=seed, config=simulated_config(server),
                     keep_requests=True, lengths=lengths, cost=cost, stalls=spans,
-                    stall_speed=stall_speed, forecast=memories[server],
+                    stall_speed=stall_speed, forecast=memory,
                 )
                 return result, (lengths, cost)
 
@@ -984,6 +994,10 @@ def simulate_workloads(
                 lead = (engine_of, step_scale if base is None else base, windows)
             memories[server] = result.forecast_memory
             summary = summarize_sim(result.request_records, client, limits)
+            summary["good_at_pace_band"] = pace_band(
+                run_at, step_scale if base is None else base, windows, client, limits,
+                summary["good"],
+            )
             summary["step_scale"] = round(step_scale, 3)
             if window_scales is not None:
                 summary["window_step_scales"] = [round(x, 3) for x in window_scales]
@@ -1017,6 +1031,24 @@ def simulate_workloads(
             per[server] = summary
         out[name] = {s: per[s] for s in servers}
     return out
+
+
+def pace_band(
+    run_at: Callable[..., tuple[Any, Any]],
+    scale: float,
+    windows: Sequence[tuple[float, float, float]] | None,
+    client: ClientView,
+    limits: ContextLimits,
+    good: float,
+) -> list[float]:
+    """``[fewest, most]`` good of one cell simulated at its pace (``good``) and with every step
+    time :data:`PACE_BAND` faster and slower (``run_at(scale, windows)`` as the cell was run,
+    from the same start): how far the prediction moves within what the pace is known to."""
+    goods = [good]
+    for factor in (1.0 - PACE_BAND, 1.0 + PACE_BAND):
+        result, _models = run_at(scale * factor, windows)
+        goods.append(summarize_sim(result.request_records, client, limits)["good"])
+    return [min(goods), max(goods)]
 
 
 #: servers whose budget measures the engine's prefill before its first caller (the
@@ -1059,6 +1091,12 @@ PAUSE_GAP_S = sb.STALL_GAP_S
 PACE_TOLERANCE = 0.02
 PACE_TRIALS = 5
 PACE_BOUNDS = (0.25, 4.0)
+#: each cell is also simulated with every step time this share faster and slower than the pace
+#: it was run at (``good_at_pace_band``): the pace is known only to PACE_TOLERANCE, and where
+#: waves of streams cross an objective (TTFT <= 2 s) a pace that much off moves a whole wave
+#: from good to late or back (held-out run sb42a's burst: vLLM's server's fifth wave of 5 came
+#: at 1.97 s, the simulated one's 6 at 2.02 s, from wave periods 2.4 % apart)
+PACE_BAND = PACE_TOLERANCE
 
 
 def mean_gap(streams: Sequence[tuple[int, float]]) -> float | None:
@@ -1842,6 +1880,12 @@ def median_of_runs(
                 scales = [sim[workload][server].get(key) for sim in sims]
                 if None not in scales:
                     merged[key] = _median([float(x) for x in scales if x is not None])
+            bands = [sim[workload][server].get("good_at_pace_band") for sim in sims]
+            if all(b is not None for b in bands):
+                merged["good_at_pace_band"] = [
+                    _median([float(b[0]) for b in bands if b is not None]),
+                    _median([float(b[1]) for b in bands if b is not None]),
+                ]
             merged["runs"] = len(sims)
             out.setdefault(workload, {})[server] = merged
     return out
@@ -1853,12 +1897,18 @@ def median_of_runs(
 def error(real: Mapping[str, Any], sim: Mapping[str, Any]) -> dict[str, Any]:
     """Relative error of good (and the other counts' differences), and the target verdict."""
     r, s = float(real["good"]), float(sim["good"])
+    allowed = max(TARGET_SHARE * r, TARGET_REQUESTS)
+    band = sim.get("good_at_pace_band")
     return {
         "good_rel": None if r == 0 else round((s - r) / r, 3),
         "good_diff": s - r,
         "late_diff": float(sim["late"]) - float(real["late"]),
         "rejected_diff": float(sim["rejected"]) - float(real["rejected"]),
-        "within_target": abs(s - r) <= max(TARGET_SHARE * r, TARGET_REQUESTS),
+        "within_target": abs(s - r) <= allowed,
+        # (the target met by the cell simulated PACE_BAND faster or slower: None without one)
+        "within_target_in_pace_band": None if band is None else any(
+            abs(float(x) - r) <= allowed for x in (*band, s)
+        ),
     }
 
 
@@ -1917,7 +1967,7 @@ def entry_servers(entry: Mapping[str, Any]) -> list[str]:
 def format_table(result: Mapping[str, Mapping[str, Any]]) -> str:
     head = (
         f"{'workload':<13} {'server':<14} {'good r/s':>10} {'late r/s':>10} {'rej r/s':>9} "
-        f"{'aband r/s':>10} {'good err':>9} {'target':>6} {'ttft50 r/s':>13} "
+        f"{'aband r/s':>10} {'good err':>9} {'target':>6} {'pace band':>9} {'ttft50 r/s':>13} "
         f"{'tpot50ms r/s':>12} {'frozen r/s':>10}  order"
     )
     lines = [head]
@@ -1933,12 +1983,14 @@ def format_table(result: Mapping[str, Mapping[str, Any]]) -> str:
             err = e["error"]
             rel = "-" if not err or err["good_rel"] is None else f"{100 * err['good_rel']:+.0f}%"
             ok = "-" if not err else ("ok" if err["within_target"] else "MISS")
+            band = s.get("good_at_pace_band")
+            spread = "-" if band is None else f"{_cell(band[0])}-{_cell(band[1])}"
             order = "" if server != servers[-1] else {
                 True: "same", False: "DIFFERENT", None: "-"
             }[entry["same_order"]]
             lines.append(
                 f"{workload:<13} {server:<14} {pair('good'):>10} {pair('late'):>10} "
-                f"{pair('rejected'):>9} {pair('abandoned'):>10} {rel:>9} {ok:>6} "
+                f"{pair('rejected'):>9} {pair('abandoned'):>10} {rel:>9} {ok:>6} {spread:>9} "
                 f"{pair('ttft_p50_s'):>13} {pair('tpot_p50_ms'):>12} "
                 f"{pair('frozen_streams'):>10}  {order}"
             )
@@ -2288,7 +2340,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if e[s]["error"] and not e[s]["error"]["within_target"]
     ]
     order = [w for w, e in result.items() if e["same_order"] is False]
-    print(f"# target missed: {', '.join(misses) or 'none'}; order differs: "
+    in_band = [
+        f"{w}/{s}" for w, e in result.items() for s in entry_servers(e)
+        if e[s]["error"] and not e[s]["error"]["within_target"]
+        and e[s]["error"]["within_target_in_pace_band"]
+    ]
+    band_note = (
+        f" (met with the engine {PACE_BAND:.0%} faster or slower, within what its pace is "
+        f"known to: {', '.join(in_band)})" if in_band else ""
+    )
+    print(f"# target missed: {', '.join(misses) or 'none'}{band_note}; order differs: "
           f"{', '.join(order) or 'none'}")
     doc = {
         "workloads": result,
