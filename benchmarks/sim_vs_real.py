@@ -186,22 +186,23 @@ context (``MAX_MODEL_LEN``) acts as on both real servers (:class:`ContextLimits`
 cannot hold is refused before the engine and fails; a request whose output does not fit after
 its prompt runs to the context's end and fails, short of the tokens it asked for.
 
-Output: per workload and server a line of real and simulated good / late / rejected /
-abandoned, the relative error of good and whether it meets the issue's target (within 15 % or 5
-requests), the pace band (the simulated good with every step time 2 % faster and slower, from
-the same start: ``good_at_pace_band``, :data:`PACE_BAND`; the pace is fitted only to within that,
-and where waves of streams straddle the 2 s objective such a difference moves a whole wave, so
-the last line also names a miss met within it, and ``error.within_target_in_pace_band`` says
-so; the target's verdict stays the fitted pace's), real and simulated median TTFT and TPOT,
-per workload whether the two servers come in the same order; then the translation check
-(records given: per request, the prompt length, output length and send time the real client
-used against the simulated request's), the engine-speed
-check (vLLM's median TPOT real over simulated on the lightly loaded abandonment workload: how
-fast the engine ran against the profile), the notes on what the simulator does not model, and as
-the LAST line one JSON object ``{"workloads": {NAME: {"vllm": {"real": {...}, "sim": {...},
-"error": {...}}, "kvbudget": {...}, "same_order": bool}}, "notes": [...], "translation": {...},
-"speed_check": {...}, "meta": {...}}``. ``--step-scale F`` is a what-if (every step-time figure
-times F), never the default; ``meta.step_scale`` records it.
+Output: per workload and server a line of real and simulated good / late / rejected / abandoned,
+the relative error of good and whether it meets the issue's target (within 15 % or 5 requests), the
+pace band (the simulated good with every step time 2 % faster and slower, from the same start:
+``good_at_pace_band``, :data:`PACE_BAND`; the pace is fitted only to within that, and where waves
+of streams straddle the 2 s objective such a difference moves a whole wave, so the last line also
+names a miss met within it, and ``error.within_target_in_pace_band`` says so; the target's verdict
+stays the fitted pace's), real and simulated median TTFT and TPOT, per workload whether the servers
+come in the same order (and ``same_order_in_pace_band``: whether the real order is within reach of
+each server's band, named on the last line where the order differs); then the translation check
+(records given: per request, the prompt length, output length and send time the real client used
+against the simulated request's), the engine-speed check (vLLM's median TPOT real over simulated on
+the lightly loaded abandonment workload: how fast the engine ran against the profile), the notes on
+what the simulator does not model, and as the LAST line one JSON object ``{"workloads": {NAME:
+{"vllm": {"real": {...}, "sim": {...}, "error": {...}}, "kvbudget": {...}, "same_order": bool,
+"same_order_in_pace_band": bool}}, "notes": [...], "translation": {...}, "speed_check": {...},
+"meta": {...}}``. ``--step-scale F`` is a what-if (every step-time figure times F), never the
+default; ``meta.step_scale`` records it.
 """
 
 from __future__ import annotations
@@ -1929,10 +1930,29 @@ def same_order(real: Mapping[str, Any], sim: Mapping[str, Any]) -> bool:
     return True
 
 
+def same_order_in_pace_band(real: Mapping[str, Any], sim: Mapping[str, Any]) -> bool | None:
+    """Could the simulated servers come in the real order, each anywhere in its pace band
+    (``good_at_pace_band``: each server's pace is fitted on its own, so each may be off on its
+    own)? For every pair the real run ranks apart (by more than :data:`TARGET_REQUESTS`), the
+    band of the one ahead must reach within that of the other's. None where a server has no
+    band."""
+    both = [x for x in real if x in sim]
+    bands = {x: sim[x].get("good_at_pace_band") for x in both}
+    if any(b is None for b in bands.values()):
+        return None
+    for x, y in itertools.permutations(both, 2):
+        ahead = float(real[x]["good"]) - float(real[y]["good"]) > TARGET_REQUESTS
+        # x ahead of y: a tie at least must be within reach
+        if ahead and float(bands[x][1]) - float(bands[y][0]) < -TARGET_REQUESTS:
+            return False
+    return True
+
+
 def compare(
     real: Mapping[str, Mapping[str, Any]], sim: Mapping[str, Mapping[str, Any]]
 ) -> dict[str, dict[str, Any]]:
-    """``{workload: {server: {"real", "sim", "error"}, "same_order": bool}}``."""
+    """``{workload: {server: {"real", "sim", "error"}, "same_order": bool,
+    "same_order_in_pace_band": bool | None}}``."""
     out: dict[str, dict[str, Any]] = {}
     for workload, per_sim in sim.items():
         per_real = real.get(workload, {})
@@ -1945,8 +1965,9 @@ def compare(
         if sum(per_real.get(x) is not None for x in per_sim) >= 2:
             # (every pair of servers both sides have: vLLM's and the example's, or any two)
             entry["same_order"] = same_order(per_real, per_sim)
+            entry["same_order_in_pace_band"] = same_order_in_pace_band(per_real, per_sim)
         else:
-            entry["same_order"] = None
+            entry["same_order"] = entry["same_order_in_pace_band"] = None
         out[workload] = entry
     return out
 
@@ -1961,7 +1982,7 @@ def _cell(value: Any) -> str:
 
 def entry_servers(entry: Mapping[str, Any]) -> list[str]:
     """The servers of one workload's comparison (:func:`compare`), in its order."""
-    return [k for k in entry if k != "same_order"]
+    return [k for k in entry if k not in ("same_order", "same_order_in_pace_band")]
 
 
 def format_table(result: Mapping[str, Mapping[str, Any]]) -> str:
@@ -2349,8 +2370,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" (met with the engine {PACE_BAND:.0%} faster or slower, within what its pace is "
         f"known to: {', '.join(in_band)})" if in_band else ""
     )
+    order_in_band = [w for w in order if result[w].get("same_order_in_pace_band")]
+    order_note = (
+        f" (the real order within the servers' pace bands: {', '.join(order_in_band)})"
+        if order_in_band else ""
+    )
     print(f"# target missed: {', '.join(misses) or 'none'}{band_note}; order differs: "
-          f"{', '.join(order) or 'none'}")
+          f"{', '.join(order) or 'none'}{order_note}")
     doc = {
         "workloads": result,
         "notes": list(NOTES),

@@ -257,6 +257,23 @@ def test_a_miss_met_within_the_pace_band_is_named_and_stays_a_miss() -> None:
     assert svr.median_of_runs(sims)["burst"]["vllm"]["good_at_pace_band"] == [23, 29]
 
 
+def test_the_order_within_the_pace_bands() -> None:
+    """sb42d's shared prefix: real `kvbudget serve` 183 ahead of vLLM's server's 172; simulated
+    178 behind 185, the order reversed; within their bands (178-191, 176-194) the real order is
+    in reach. Bands apart by more than 5 requests against the real order are not."""
+    real = {"vllm": {"good": 172}, "kvbudget": {"good": 274}, "kvbudget-serve": {"good": 183}}
+    sim = {"vllm": {"good": 185, "good_at_pace_band": [176, 194]},
+           "kvbudget": {"good": 289, "good_at_pace_band": [280, 292]},
+           "kvbudget-serve": {"good": 178, "good_at_pace_band": [178, 191]}}
+    assert not svr.same_order(real, sim)
+    assert svr.same_order_in_pace_band(real, sim) is True
+    apart = {**sim, "kvbudget-serve": {"good": 160, "good_at_pace_band": [158, 165]}}
+    assert svr.same_order_in_pace_band(real, apart) is False
+    # a tie in the real run asks nothing of the bands; no band: no answer
+    assert svr.same_order_in_pace_band({**real, "kvbudget-serve": {"good": 175}}, apart) is True
+    assert svr.same_order_in_pace_band(real, {**sim, "vllm": {"good": 185}}) is None
+
+
 def test_the_pace_band_simulates_the_cell_2_percent_faster_and_slower() -> None:
     """:func:`pace_band` runs the cell with every step time PACE_BAND faster and slower, from
     the same start, and gives the fewest and most good of the three. The burst on the tiny
@@ -322,8 +339,11 @@ def test_json_shape_from_a_serve_bench_json_file(
     assert list(out["workloads"]) == ["burst"]
     burst = out["workloads"]["burst"]
     # vLLM's server with its queue cap is compared too, as the same baseline with that cap
-    assert list(burst) == ["vllm", "vllm-cap16", "kvbudget", "same_order"]
+    assert list(burst) == [
+        "vllm", "vllm-cap16", "kvbudget", "same_order", "same_order_in_pace_band"
+    ]
     assert isinstance(burst["same_order"], bool)
+    assert isinstance(burst["same_order_in_pace_band"], bool)
     for server in ("vllm", "vllm-cap16", "kvbudget"):
         assert set(burst[server]) == {"real", "sim", "error"}
         assert burst[server]["sim"]["sent"] == 30
