@@ -61,24 +61,6 @@ BASE = "kvbudget-serve@base"
 
 
 @contextlib.contextmanager
-def pythonpath_first(path: Path | None) -> Iterator[None]:
-    """``PYTHONPATH`` with ``path`` first while a server starts (its kvbudget is imported from
-    there: an entry of PYTHONPATH comes before the editable install's)."""
-    if path is None:
-        yield
-        return
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(path), *([before] if before else [])])
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
-
-
-@contextlib.contextmanager
 def alone(server: sb.ServerProcess, others: Sequence[sb.ServerProcess]) -> Iterator[None]:
     """The other servers' process groups stopped (SIGSTOP) while ``server`` is measured, so
     that nothing of theirs runs beside it (each server's process group is its own: serve_bench
@@ -193,20 +175,14 @@ def summary(rounds: list[dict[str, dict[str, Any]]], names: Sequence[str]) -> di
             "us_per_token_median": round(statistics.median(per), 2),
             "us_per_token_range": [min(per), max(per)],
         }
-        if name != "vllm" and "vllm" in names:
-            ratios = sorted(
-                r[name]["frontend_us_per_token"] / r["vllm"]["frontend_us_per_token"]
-                for r in rounds
-            )
-            entry["ratio_to_vllm_median"] = round(statistics.median(ratios), 3)
-            entry["ratio_to_vllm_range"] = [round(ratios[0], 3), round(ratios[-1], 3)]
-        if name != BASE and BASE in names and name != "vllm":
-            ratios = sorted(
-                r[name]["frontend_us_per_token"] / r[BASE]["frontend_us_per_token"]
-                for r in rounds
-            )
-            entry["ratio_to_base_median"] = round(statistics.median(ratios), 3)
-            entry["ratio_to_base_range"] = [round(ratios[0], 3), round(ratios[-1], 3)]
+        for ref, key in (("vllm", "vllm"), (BASE, "base")):
+            if ref in names and name not in (ref, "vllm"):
+                ratios = sorted(
+                    r[name]["frontend_us_per_token"] / r[ref]["frontend_us_per_token"]
+                    for r in rounds
+                )
+                entry[f"ratio_to_{key}_median"] = round(statistics.median(ratios), 3)
+                entry[f"ratio_to_{key}_range"] = [round(ratios[0], 3), round(ratios[-1], 3)]
         out[name] = entry
     return out
 
@@ -259,11 +235,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             argv_ = spec.argv(model, opts.port + k, "calibrated", kv_blocks=opts.kv_blocks,
                               max_num_seqs=max(sb.MAX_NUM_SEQS, opts.concurrency))
             log = Path(os.environ.get("TMPDIR", "/tmp")) / f"frontend_cpu-{name}.log"
-            with pythonpath_first(opts.against / "src" if name == BASE else None):
-                servers[name] = stack.enter_context(
-                    sb.ServerProcess(spec, argv_, opts.port + k, log, nice=opts.server_nice)
-                )
+            src = opts.against.resolve() / "src" if name == BASE else None
+            servers[name] = stack.enter_context(sb.ServerProcess(
+                spec, argv_, opts.port + k, log, nice=opts.server_nice, src=src
+            ))
             print(f"# {name} up on port {opts.port + k} (log {log})", flush=True)
+
         def measured(name: str, round_: int) -> dict[str, Any]:
             with alone(servers[name], [servers[o] for o in opts.names if o != name]):
                 return measure(servers[name], opts, round_)

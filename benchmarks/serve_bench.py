@@ -389,12 +389,13 @@ def without_proxies(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def server_env() -> dict[str, str]:
-    """The environment of every server subprocess."""
+def server_env(src: Path | None = None) -> dict[str, str]:
+    """The environment of every server subprocess; ``src``: the ``src`` directory its
+    kvbudget is imported from (None: this repository's, the servers' cwd)."""
     env = without_proxies(os.environ)
     for key, value in CPU_VLLM_ENV.items():
         env.setdefault(key, value)
-    env["PYTHONPATH"] = "src"  # the servers run with cwd = the repository
+    env["PYTHONPATH"] = "src" if src is None else str(src)
     return env
 
 
@@ -587,9 +588,12 @@ class ServerProcess:
     """A server subprocess in its own process group; ``with`` starts it and always stops it."""
 
     def __init__(
-        self, spec: ServerSpec, argv: list[str], port: int, log_path: Path, nice: int = 0
+        self, spec: ServerSpec, argv: list[str], port: int, log_path: Path, nice: int = 0,
+        src: Path | None = None,
     ) -> None:
         self.spec = spec
+        #: the ``src`` directory the server imports kvbudget from (:func:`server_env`)
+        self.src = src
         self.argv = argv
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
@@ -618,7 +622,8 @@ class ServerProcess:
         t0 = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                self.argv, cwd=ROOT, env=server_env(), stdout=log, stderr=subprocess.STDOUT,
+                self.argv, cwd=ROOT, env=server_env(self.src), stdout=log,
+                stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
         if self.nice:

@@ -4,8 +4,9 @@ runs tests/test_serve_bench.py and the benchmark itself cover)."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
+import socket
+import sys
 from typing import Any
 
 import pytest
@@ -56,12 +57,27 @@ def test_options_are_checked(tmp_path: pathlib.Path) -> None:
 
 
 def test_the_base_server_imports_kvbudget_from_its_own_tree(tmp_path: pathlib.Path) -> None:
-    before = os.environ.get("PYTHONPATH")
-    with fc.pythonpath_first(tmp_path / "src"):
-        assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "src")
-    assert os.environ.get("PYTHONPATH") == before
-    with fc.pythonpath_first(None):
-        assert os.environ.get("PYTHONPATH") == before
+    """A server started with ``src`` (``--against DIR``: ``DIR/src``) imports kvbudget from
+    there, not from this repository: the started process itself is asked (it records what it
+    imported and exits; serve_bench then reports it exited while starting)."""
+    sb = fc.sb
+    fake = tmp_path / "base" / "src" / "kvbudget"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    seen = tmp_path / "imported"
+    probe = f"import kvbudget, pathlib; pathlib.Path({str(seen)!r}).write_text(kvbudget.__file__)"
+    for src, expected in ((fake.parent, fake / "__init__.py"),
+                          (None, sb.ROOT / "src" / "kvbudget" / "__init__.py")):
+        spec = sb.ServerSpec("kvbudget-serve", "kvbudget-serve")
+        with socket.socket() as sock:  # (a free port: the process exits before it listens)
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        server = sb.ServerProcess(spec, [sys.executable, "-c", probe], port, tmp_path / "log",
+                                  src=src)
+        with pytest.raises(sb.ServerError, match="exited"):
+            server.start()
+        assert pathlib.Path(seen.read_text()).resolve() == expected.resolve()
+    assert sb.server_env(fake.parent)["PYTHONPATH"] == str(fake.parent)
 
 
 def test_the_client_counts_tokens_and_turned_away_callers_over_a_real_socket() -> None:
