@@ -991,13 +991,13 @@ def simulate_workloads(
                 )
             else:
                 (result, carried[server]), step_scale = run_at(1.0), 1.0
+            ran_at = step_scale if base is None else base  # (run_at's scale for this run)
             if server == pace_of:
-                lead = (engine_of, step_scale if base is None else base, windows)
+                lead = (engine_of, ran_at, windows)
             memories[server] = result.forecast_memory
             summary = summarize_sim(result.request_records, client, limits)
             summary["good_at_pace_band"] = pace_band(
-                run_at, step_scale if base is None else base, windows, client, limits,
-                summary["good"],
+                run_at, ran_at, windows, client, limits, summary["good"]
             )
             summary["step_scale"] = round(step_scale, 3)
             if window_scales is not None:
