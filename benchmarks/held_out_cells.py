@@ -1,8 +1,8 @@
-"""The held-out table of docs/benchmarks.md ("Against the targets"), one cell per process.
+"""The held-out table of docs/benchmarks.md ("Held-out traces"), one cell per process.
 
     .venv/bin/python benchmarks/held_out_cells.py [--traces DIR] [--policy P ...] [--jobs 2]
         [--seed 0] [--cell SUBSTRING ...] [--limit N] [--json FILE] [--mooncake DIR]
-        [--simulate-arg ARG ...] [--shapes DIR]
+        [--simulate-arg ARG ...] [--shapes DIR] [--markdown FILE]
 
 Cells (37): the tiny CPU engine's profile (``vllm-cpu-tiny``) at 0.6x, 1x, 2x and 4x and the
 default engine model (Llama-2-7B on an A100) at 1x and 4x, on the five synthetic traces of
@@ -26,8 +26,10 @@ quick look, not the table). Prints per cell and policy the good requests, goodpu
 interactive stalls; with calibrated and other policies, per cell the best other one and whether
 calibrated is >= it. ``--simulate-arg ARG`` (repeatable) adds ``ARG`` to every cell's
 ``kvbudget simulate`` arguments: the same cells under another scenario overlay
-(``--simulate-arg=--interactive-share=1.0 --simulate-arg=--abandon-share=0``). Last line: one
-JSON object, ``{"cells": {NAME: {POLICY: {...}}}}``.
+(``--simulate-arg=--interactive-share=1.0 --simulate-arg=--abandon-share=0``). ``--markdown
+FILE`` writes the cells as the markdown table of docs/benchmarks.md (calibrated beside the best
+faithful baseline, vLLM's ``reserve-current`` and the oracle). Last line: one JSON object,
+``{"cells": {NAME: {POLICY: {...}}}}``.
 """
 
 from __future__ import annotations
@@ -140,6 +142,41 @@ def verdicts(table: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str,
     return out
 
 
+def markdown(table: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """The cells as a markdown table (docs/benchmarks.md): per cell calibrated's good requests,
+    the best faithful baseline's (the oracle is no baseline: it knows every length), the ratio,
+    ``reserve-current``'s (vLLM) and the ratio to it, and the oracle's, where they were run.
+    A cell where calibrated is below a baseline is marked **below**."""
+    lines = [
+        "| cell | calibrated | best baseline | calibrated / best | reserve-current "
+        "| calibrated / reserve-current | oracle |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, row in table.items():
+        if "calibrated" not in row:
+            continue
+        cal = row["calibrated"]["good"]
+        bases = {p: r["good"] for p, r in row.items() if p not in ("calibrated", "oracle")}
+        best = max(bases, key=lambda p: bases[p]) if bases else None
+        rc = bases.get("reserve-current")
+        oracle = row.get("oracle", {}).get("good")
+        ratio = "" if best is None else f"{cal / max(1, bases[best]):.3f}"
+        if best is not None and cal < bases[best]:
+            ratio = f"**{ratio}, below**"
+        lines.append(
+            f"| {name} | {cal:,} | "
+            + ("-" if best is None else f"{best} {bases[best]:,}")
+            + f" | {ratio or '-'} | "
+            + ("-" if rc is None else f"{rc:,}")
+            + " | "
+            + ("-" if rc is None else f"{cal / max(1, rc):.2f}x")
+            + " | "
+            + ("-" if oracle is None else f"{oracle:,}")
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def _sibling(name: str) -> Any:
     """Another script of benchmarks/, imported as a module."""
     here = str(ROOT / "benchmarks")
@@ -183,6 +220,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--limit", type=int, default=None, help="each trace's first N requests")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--json", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--markdown", type=Path, default=None, metavar="FILE",
+                   help="also write the cells as a markdown table here (docs/benchmarks.md)")
     p.add_argument("--simulate-arg", action="append", default=[], metavar="ARG",
                    help="one more `kvbudget simulate` argument for every cell (repeatable; "
                         "another scenario overlay: --simulate-arg=--interactive-share=1.0)")
@@ -237,6 +276,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "simulate_args": ns.simulate_arg,
     }
     line = json.dumps(out)
+    if ns.markdown is not None:
+        ns.markdown.write_text(markdown(table) + "\n", encoding="utf-8")
     if ns.json is not None:
         ns.json.write_text(line + "\n", encoding="utf-8")
     print(line)

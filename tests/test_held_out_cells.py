@@ -126,3 +126,27 @@ def test_the_trace_shapes_add_66_cells_on_their_own_files(tmp_path: pathlib.Path
     assert set(out["cells"]) == {"shape-mice/A100/4"}
     assert 0 < out["cells"]["shape-mice/A100/4"]["calibrated"]["good"] <= 100
     assert not (tmp_path / "traces").exists()  # no synthetic trace was wanted
+
+
+def test_the_markdown_table_judges_against_the_faithful_baselines_only() -> None:
+    """The oracle knows every length and is no baseline: a cell where only the oracle is ahead is
+    not marked below; one where a baseline is ahead is; ratios against the best baseline and
+    reserve-current by good requests."""
+    table = {
+        "a/tiny/1": {
+            "calibrated": {"good": 100}, "reserve-current": {"good": 50},
+            "past-future": {"good": 80}, "oracle": {"good": 120},
+        },
+        "b/tiny/1": {
+            "calibrated": {"good": 99}, "reserve-current": {"good": 99},
+            "new-token-ratio": {"good": 100},
+        },
+        "c/A100/4": {"calibrated": {"good": 7}},
+    }
+    lines = hc.markdown(table).splitlines()
+    assert lines[0].startswith("| cell | calibrated | best baseline |")
+    assert lines[2] == "| a/tiny/1 | 100 | past-future 80 | 1.250 | 50 | 2.00x | 120 |"
+    assert lines[3] == (
+        "| b/tiny/1 | 99 | new-token-ratio 100 | **0.990, below** | 99 | 1.00x | - |"
+    )
+    assert lines[4] == "| c/A100/4 | 7 | - | - | - | - | - |"
