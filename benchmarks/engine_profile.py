@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # engine time per arriving request on this machine (the server's parsing and tokenizing on
     # the cores the engine shares), measured from bursts of arrivals, not from steps: kept in
-    # one place, the shipped profile (docs/benchmarks.md, twenty-third session)
+    # one place, the shipped profile (docs/benchmarks-history.md, twenty-third session)
     intake_ms = EngineProfile.load("vllm-cpu-tiny").intake_s * 1e3
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_out = ROOT / "src/kvbudget/sim/profiles/vllm-cpu-tiny.json"
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--intake-ms", type=float, default=intake_ms,
                    help="engine time per arriving request, set on the profile as measured "
                         f"elsewhere: the steps do not tell it apart (default {intake_ms:g}, the "
-                        "shipped profile's, from bursts of arrivals: docs/benchmarks.md)")
+                        "shipped profile's, from bursts of arrivals: docs/benchmarks-history.md)")
     a = p.parse_args(argv)
     if not 0.0 <= a.intake_ms < math.inf:
         p.error("--intake-ms must be a finite number >= 0")
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             profile, intake_s=a.intake_ms / 1e3,
             source=f"{profile.source}; intake {a.intake_ms:g} ms per arriving request, "
             "measured from the first tokens of bursts of arrivals against the simulated ones "
-            "(docs/benchmarks.md, twenty-third session)",
+            "(docs/benchmarks-history.md, twenty-third session)",
         )
     step = profile.step
     errors = []

@@ -5,7 +5,7 @@ Why. On a machine where the engine and the front end share the cores (this one: 
 microsecond the front-end process spends per token is taken from the engine: in serve_bench's
 runs the kvbudget servers' engines ran slower in the very turns where they served fewer callers
 than vLLM's server, and ``sim_vs_real.py --pace-of vllm`` puts their decisions level with vLLM's
-or above once they run on vLLM's engine pace (docs/benchmarks.md, forty-first session). This
+or above once they run on vLLM's engine pace (docs/benchmarks-history.md, forty-first session). This
 benchmark isolates that cost: no request waits for KV (a cache far larger than the load needs,
 so neither the budget nor vLLM pauses or preempts anything), prompts are sent as token ids (no
 tokenization), and every server gets the same streams.

@@ -1,14 +1,14 @@
 """Write the eleven trace shapes the thirty-first session held the policies out on.
 
 Each is 3,000 requests in the Azure CSV format (``TIMESTAMP,ContextTokens,GeneratedTokens``),
-seeded, written for that check and tuned on by no session before it (docs/benchmarks.md, "More
-trace shapes"): ``pareto`` (5 req/s, prompts lognormal around 600, answers 20 x (1 +
-Pareto(1.3)) up to 2,000: a heavy tail), ``rag`` (2 req/s, prompts 2,500-6,000, answers
-lognormal around 120), ``onoff`` (20 s at 12 req/s, then 40 s at 0.5 req/s), ``longall``
-(2 req/s, short prompts, every answer 700-1,000 tokens), ``mice`` (30 req/s, prompts 30-120,
-answers 5-40); ``bimodal0``-``bimodal3`` (30-70 % of answers around 700 tokens, the rest
-around 25, 3-6 req/s) and ``bimodal-l0``, ``bimodal-l1`` (the thirtieth session's bimodal
-shape on other seeds: 75 % of answers 1-23 tokens, 25 % 1,200-3,000, 3 req/s).
+seeded, written for that check and tuned on by no session before it (docs/benchmarks-history.md,
+"More trace shapes"): ``pareto`` (5 req/s, prompts lognormal around 600, answers 20 x (1 +
+Pareto(1.3)) up to 2,000: a heavy tail), ``rag`` (2 req/s, prompts 2,500-6,000, answers lognormal
+around 120), ``onoff`` (20 s at 12 req/s, then 40 s at 0.5 req/s), ``longall`` (2 req/s, short
+prompts, every answer 700-1,000 tokens), ``mice`` (30 req/s, prompts 30-120, answers 5-40);
+``bimodal0``-``bimodal3`` (30-70 % of answers around 700 tokens, the rest around 25, 3-6 req/s) and
+``bimodal-l0``, ``bimodal-l1`` (the thirtieth session's bimodal shape on other seeds: 75 % of
+answers 1-23 tokens, 25 % 1,200-3,000, 3 req/s).
 
     python benchmarks/shape_traces.py OUT_DIR
     python benchmarks/held_out_cells.py --shapes OUT_DIR --cell shape- --policy calibrated ...

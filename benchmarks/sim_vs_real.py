@@ -103,67 +103,65 @@ starts each workload from what its simulated workloads before taught it: the sta
 too. With ``real`` (where the run recorded them) it starts from what the real server had
 learned then, so one workload is predicted from the real state rather than from a carried one
 that may have drifted: a diagnosis, not the default, since over the thirty-fifth session's four
-recorded runs it missed 2 cells where the carried state missed 1 (docs/benchmarks.md). Why it
-exists (the thirty-fifth session): in one run the real example turned callers of the overload away
-from a forecast about twice their bound, in another of the same tree only past 2.8 times it, and
-the simulator, whose carried outcomes put the moderate workload's callers at a higher pressure
-than the real ones', followed the second; in a default run the simulated example's carried
-outcomes had 11 of 43 callers forecast at 2.8-4x their bound served in time where the real one
-had none of 12 (and 12 of 54 past 4x, where the simulated one had none), and it served 57 of the
-multi-prefix workload against the real 49 (51 from the real state; docs/benchmarks.md).
-The release rate each server's budget started a workload from is set beside the simulated one's
-the same way (serve_bench's ``release_rate``, the snapshot's ``release_rate_blocks_per_s``; the
-summary's ``release_rate_at_start``): it runs on a clock that stops while the engine holds no
-blocks, so a wave's first callers are judged by the rate at which the workload before ended, and
-whether a fresh caller takes the headroom or waits for those releases hangs on it (the
-thirty-seventh session's multi-prefix miss). It is shown, not seeded.
+recorded runs it missed 2 cells where the carried state missed 1 (docs/benchmarks-history.md). Why
+it exists (the thirty-fifth session): in one run the real example turned callers of the overload
+away from a forecast about twice their bound, in another of the same tree only past 2.8 times it,
+and the simulator, whose carried outcomes put the moderate workload's callers at a higher pressure
+than the real ones', followed the second; in a default run the simulated example's carried outcomes
+had 11 of 43 callers forecast at 2.8-4x their bound served in time where the real one had none of 12
+(and 12 of 54 past 4x, where the simulated one had none), and it served 57 of the multi-prefix
+workload against the real 49 (51 from the real state; docs/benchmarks-history.md). The release rate
+each server's budget started a workload from is set beside the simulated one's the same way
+(serve_bench's ``release_rate``, the snapshot's ``release_rate_blocks_per_s``; the summary's
+``release_rate_at_start``): it runs on a clock that stops while the engine holds no blocks, so a
+wave's first callers are judged by the rate at which the workload before ended, and whether a fresh
+caller takes the headroom or waits for those releases hangs on it (the thirty-seventh session's
+multi-prefix miss). It is shown, not seeded.
 
 vLLM's server's pace (``--pace run``, the default where the run's records are at hand). Nothing in
 the run times the steps of vLLM's own server's engine, and the example's profile is its own engine's
 pace over the whole run; on this 2-core machine the same server ran the same workload 20-25 % slower
 in one repeat than in the next (its streams' mean gap between tokens 9.6 against 11.6 ms, and 145
 against 112 good), and vLLM's server ran up to 52 % slower than the example's profile in two runs
-and 10-17 % faster in another (docs/benchmarks.md: over six runs 11 of 18 vLLM cells missed the
-target at the profile's pace, 5 at their own). So each of vLLM's cells is simulated at the pace of
-its own repeat's streams: every step time (and the abort latency) scaled by one factor, found by
+and 10-17 % faster in another (docs/benchmarks-history.md: over six runs 11 of 18 vLLM cells missed
+the target at the profile's pace, 5 at their own). So each of vLLM's cells is simulated at the pace
+of its own repeat's streams: every step time (and the abort latency) scaled by one factor, found by
 simulating (:func:`paced_simulation`: ``scale *= real gap / simulated gap`` until they agree within
 2 %), where the gap is the mean time between consecutive tokens over the repeat's completed streams
 (:func:`real_stream_gap`, what vLLM's inter-token latency histogram averages: decode steps, the
 prefills mixed into them and preempted requests' waits). The shape of the step time stays the
-profile's; what is still predicted is who waits and how long: good, late, rejected, TTFT.
-``--pace phases`` (the default) finds one such factor per window of the run: the run while its
-requests were being sent and the run after are two phases, each cut into up to
-:data:`MAX_PHASE_WINDOWS` windows of at least :data:`MIN_WINDOW_STREAMS` completed streams
-(:func:`phased_simulation`, each window from the streams whose middle came in it,
-:func:`real_phase_gaps`); it falls back to one factor where a phase has too few streams
-(:data:`MIN_PHASE_STREAMS`). Where the client stalled as well, the engine runs in each of its
-stalls at ``--stall-speed`` of its window's speed (:func:`merged_spans`; until the eighteenth
-session such a run fell back to one factor: vLLM's overload in one run then came out 36 good
-simulated against 24 real, and 24 with the windows). In some runs vLLM's server ran 1.5x slower
-while 160 requests came in than after (its first streams 11.6 ms between tokens, later ones
-6-7 ms), and in one (the seventh session's second run) twice as slow in the first 6 s of the
-14 s in which moderate's requests came, then at the later pace: one factor for the run, or one
-per phase, then had the first streams finish early and the next callers admitted in time (34
-good real, 58 simulated). With two phases only, over five runs (docs/benchmarks.md) it missed
-2 of vLLM's 26 cells against 6 with one factor; with windows, none of vLLM's cells in the 13
-real runs kept here. The
-example runs on its own engine profile of each run where serve_bench kept one (fitted from its
-engine's steps in that run alone, ``engine-profile-kvbudget-<workload>-r<k>.json``,
-:func:`stretch_profiles`; else the run's), and since the eighteenth session is paced by its
-streams too, with each stream's pause left out of its gaps (its longest gap, where that is over
-:data:`PAUSE_GAP_S`, serve_bench's stall; each stream gives way at most once): the pauses are
-its policy's doing and what is predicted, not the engine's pace. Its streams went 7-15 %
-slower than that profile (the front end's share between the steps), and the scheduler decides
-its pauses from the pace its streams get: on its own profile the simulator had 42 of 66 frozen
-streams on shared prefix and 52 of 76 on multi-prefix (``/tmp/sb18a``), 59 and 59 paced.
-``--pace none`` runs both at the run's profile's pace.
+profile's; what is still predicted is who waits and how long: good, late, rejected, TTFT. ``--pace
+phases`` (the default) finds one such factor per window of the run: the run while its requests were
+being sent and the run after are two phases, each cut into up to :data:`MAX_PHASE_WINDOWS` windows
+of at least :data:`MIN_WINDOW_STREAMS` completed streams (:func:`phased_simulation`, each window
+from the streams whose middle came in it, :func:`real_phase_gaps`); it falls back to one factor
+where a phase has too few streams (:data:`MIN_PHASE_STREAMS`). Where the client stalled as well, the
+engine runs in each of its stalls at ``--stall-speed`` of its window's speed (:func:`merged_spans`;
+until the eighteenth session such a run fell back to one factor: vLLM's overload in one run then
+came out 36 good simulated against 24 real, and 24 with the windows). In some runs vLLM's server ran
+1.5x slower while 160 requests came in than after (its first streams 11.6 ms between tokens, later
+ones 6-7 ms), and in one (the seventh session's second run) twice as slow in the first 6 s of the 14
+s in which moderate's requests came, then at the later pace: one factor for the run, or one per
+phase, then had the first streams finish early and the next callers admitted in time (34 good real,
+58 simulated). With two phases only, over five runs (docs/benchmarks-history.md) it missed 2 of
+vLLM's 26 cells against 6 with one factor; with windows, none of vLLM's cells in the 13 real runs
+kept here. The example runs on its own engine profile of each run where serve_bench kept one (fitted
+from its engine's steps in that run alone, ``engine-profile-kvbudget-<workload>-r<k>.json``,
+:func:`stretch_profiles`; else the run's), and since the eighteenth session is paced by its streams
+too, with each stream's pause left out of its gaps (its longest gap, where that is over
+:data:`PAUSE_GAP_S`, serve_bench's stall; each stream gives way at most once): the pauses are its
+policy's doing and what is predicted, not the engine's pace. Its streams went 7-15 % slower than
+that profile (the front end's share between the steps), and the scheduler decides its pauses from
+the pace its streams get: on its own profile the simulator had 42 of 66 frozen streams on shared
+prefix and 52 of 76 on multi-prefix (``/tmp/sb18a``), 59 and 59 paced. ``--pace none`` runs both at
+the run's profile's pace.
 
 A what-if, not a prediction: ``--pace-of vllm`` runs every other server on vLLM's server's
 engine as the replay paced it (its profile, and its step-time scale or window scales), each
 still sent and read by its own client. The servers ran one after another, each on the same
 2-core machine as its front end: what a heavier front end and the machine's drift between their
 turns did to each engine's pace is then left out, and what is compared is the servers'
-decisions on one engine (the summaries say ``paced_as``; docs/benchmarks.md, forty-first
+decisions on one engine (the summaries say ``paced_as``; docs/benchmarks-history.md, forty-first
 session).
 
 The servers' front ends (``--front-end run``; off by default). serve_bench counts the CPU time
@@ -274,7 +272,7 @@ BUDGETED_SERVERS = ("kvbudget", SERVE)
 #: ``--first-token-pause-share``)
 SERVE_PAUSE_FLAG = "--kvbudget-first-token-pause-share"
 #: the engine's speed while the client was stalled (``--stall-speed``): fitted on one run
-#: (docs/benchmarks.md)
+#: (docs/benchmarks-history.md)
 STALL_SPEED = 0.3
 #: the simulator's stand-in for vLLM's own server
 VLLM_POLICY = "reserve-current"
@@ -1017,7 +1015,8 @@ def simulate_workloads(
                 summary["wait_outcomes_at_start"] = {
                     "sim": sim_bands, "real": real_bands, "used": "real" if seeded else "sim",
                 }
-                # (the gate of a fresh caller at a wave's start reads it: docs/benchmarks.md)
+                # (the gate of a fresh caller at a wave's start reads it:
+                # docs/benchmarks-history.md)
                 summary["release_rate_at_start"] = {
                     "sim": round(release_rate_of(start_memory, server), 1),
                     "real": (
@@ -2055,7 +2054,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="each server's front-end process: not modelled (none, the default: "
                         "clients get tokens as the engine makes them) or fitted from the real "
                         "run's CPU counts (run, where serve_bench counted them; "
-                        "docs/benchmarks.md says why it is not the default)")
+                        "docs/benchmarks-history.md says why it is not the default)")
     p.add_argument("--pace", choices=("run", "phases", "none"), default=PACE_DEFAULT,
                    help="vLLM's server's engine: at the pace its own streams show in each "
                         "replayed run (run: the profile's step times scaled until the simulated "

@@ -1,7 +1,7 @@
 """Write five synthetic traces, unlike the conversation trace the policies were tuned on.
 
-They check the policies on workloads they were not tuned on (docs/benchmarks.md, "Traces it was
-not tuned on"): ``code.csv`` (long prompts, short answers: prefill-bound, 6 req/s for an hour),
+They check the policies on workloads they were not tuned on (docs/benchmarks-history.md, "Traces it
+was not tuned on"): ``code.csv`` (long prompts, short answers: prefill-bound, 6 req/s for an hour),
 ``reason.csv`` (short prompts, long heavy-tailed answers, 1 req/s) and ``bursty.csv`` (gamma
 arrivals with a coefficient of variation of 3, half short and half long answers); and two in the
 Mooncake JSON-lines format: ``longctx.jsonl`` (long contexts) and ``sessions.jsonl`` (multi-turn

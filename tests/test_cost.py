@@ -126,7 +126,7 @@ def test_a_negative_cost_per_sequence_is_not_read_with_the_slope_that_offsets_it
     negative cost per sequence offset by a steep cost per context token. Read with only the
     negative one held at 0, the steep slope doubled the prediction for the very steps just
     observed (over vLLM on this machine: 9-14 ms for 15-sequence steps that took 3 ms,
-    docs/benchmarks.md, twenty-second session)."""
+    docs/benchmarks-history.md, twenty-second session)."""
     truth = StepTimeModel(
         fixed_s=1.2e-3, per_seq_s=0.0, per_context_token_s=0.3e-6, prefill_per_token_s=1e-5
     )

@@ -20,7 +20,7 @@ def _digests(directory: pathlib.Path) -> dict[str, str]:
 
 
 #: every shape's bytes, in order, as the thirty-first session wrote and measured them
-#: (docs/benchmarks.md, "More trace shapes"): a change here means those figures are of
+#: (docs/benchmarks-history.md, "More trace shapes"): a change here means those figures are of
 #: other traces
 DOCUMENTED = "f9c490d2dace702beb3498b46cdbc5d02d7df92da4c6799a687af963d335d545"
 

@@ -315,7 +315,7 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         type=_positive_float,
         help="how often the simulated shell ticks the scheduler: a queued caller past its bound "
         f"is turned away at the next tick (ms; default {1e3 * DEFAULT_TICK_S:g}, as a real "
-        "Budget ticks; docs/benchmarks.md's figures dated before the thirty-eighth session "
+        "Budget ticks; docs/benchmarks-history.md's figures dated before the thirty-eighth session "
         "were made at 100)",
     )
     g.add_argument(

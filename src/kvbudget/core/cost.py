@@ -124,7 +124,7 @@ def _nearest_nonnegative(theta: list[float], p: list[list[float]]) -> list[float
     context move together, and the recursion often explains a step with a negative cost per
     sequence offset by a steeper cost per context token. Reading only the negative one as 0
     keeps the steep slope: over vLLM on this machine, a fit from steps of 1-5 sequences then
-    predicted 9-14 ms for a step of 15 that took 3 ms (docs/benchmarks.md, twenty-second
+    predicted 9-14 ms for a step of 15 that took 3 ms (docs/benchmarks-history.md, twenty-second
     session). Conditioning keeps what the steps observed determine (here the slope along
     sequences and context together) and refits the rest without the negative one.
     """
@@ -303,7 +303,7 @@ class CostModel:
 
         The line is a mean: a caller admitted at the last moment the mean allows gets its first
         token late about half the time. (Over vLLM on this machine the 0.9-quantile margin was
-        0-65 ms, beside a line of 17-50 ms for a prompt alone; see docs/benchmarks.md.)
+        0-65 ms, beside a line of 17-50 ms for a prompt alone; see docs/benchmarks-history.md.)
         """
         ordered = self._ft_sorted
         if ordered is None:

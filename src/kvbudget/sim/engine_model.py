@@ -106,7 +106,7 @@ DEFAULT_TICK_S: Final = SHELL_TICK_INTERVAL_S
 """The simulated shell ticks its scheduler as often as a real one (``Budget``,
 ``BudgetedEngine``): a queued caller past its bound is turned away, and may be admitted until
 then, on the same clock. (Before the thirty-eighth session it was 100 ms; the figures of
-docs/benchmarks.md dated before it were made at that tick.)"""
+docs/benchmarks-history.md dated before it were made at that tick.)"""
 
 
 def _check_capacity(_inst: object, _attr: object, value: Any) -> None:

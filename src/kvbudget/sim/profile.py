@@ -40,7 +40,8 @@ The intake (``intake_s``, engine time per arriving request) is not in the steps'
 a burst of arrivals slows are timed whole with everything else in them, and a caller of the
 engine sees arrivals the engine's own steps do not count (the server's parsing and tokenizing).
 It is measured from the first tokens of a run's bursts against the simulated ones
-(``docs/benchmarks.md``, the twenty-third session) and set on the profile by hand, 0 unless set.
+(``docs/benchmarks-history.md``, the twenty-third session) and set on the profile by hand, 0
+unless set.
 """
 
 from __future__ import annotations
