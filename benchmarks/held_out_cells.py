@@ -142,6 +142,12 @@ def verdicts(table: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str,
     return out
 
 
+def baselines_good(row: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """The good requests of each faithful baseline among one cell's (or one run's) policies:
+    every policy but calibrated and the oracle (which knows every length: no baseline)."""
+    return {p: r["good"] for p, r in row.items() if p not in ("calibrated", "oracle")}
+
+
 def markdown(table: dict[str, dict[str, dict[str, Any]]]) -> str:
     """The cells as a markdown table (docs/benchmarks.md): per cell calibrated's good requests,
     the best faithful baseline's (the oracle is no baseline: it knows every length), the ratio,
@@ -156,7 +162,7 @@ def markdown(table: dict[str, dict[str, dict[str, Any]]]) -> str:
         if "calibrated" not in row:
             continue
         cal = row["calibrated"]["good"]
-        bases = {p: r["good"] for p, r in row.items() if p not in ("calibrated", "oracle")}
+        bases = baselines_good(row)
         best = max(bases, key=lambda p: bases[p]) if bases else None
         rc = bases.get("reserve-current")
         oracle = row.get("oracle", {}).get("good")
