@@ -649,6 +649,45 @@ def test_a_decision_hook_that_raises_reaches_its_caller_as_a_policy_violation(ho
 # == behaviour ===================================================================================
 
 
+class _Asked(Fixed):
+    """A policy whose allowance is a new answer each time it is asked (8, 9, 10, ...)."""
+
+    name = "asked"
+
+    def __init__(self) -> None:
+        super().__init__(allowance=8)
+        self.asked: list[str] = []
+
+    def initial_allowance(self, req: Request) -> int:
+        self.asked.append(req.request_id)
+        return min(req.remaining, 7 + len(self.asked))
+
+
+def test_an_arrival_admitted_at_once_is_granted_the_allowance_it_was_asked() -> None:
+    """Nothing queued, no extension waiting: the pass that admits an arrival grants the very
+    allowance the arrival asked (and counted as its queue demand), asking the policy once.
+    Behind a queue the pass asks again: grants were made in between."""
+    s = Scheduler(Capacity(64, 4), policy=_Asked(), config=SchedulerConfig(slack_tokens=0))
+    policy = s.policy
+    assert isinstance(policy, _Asked)
+    assert of(s.arrive("a", spec(prompt=4, max_tokens=64), 0.0), ev.Admit, "a")
+    assert policy.asked == ["a"]
+    a = s.requests["a"]
+    assert a.allowance == 8 and a.boundary == 8  # the first answer: 4 + 8 tokens, 3 blocks
+    # a caller that waits is asked again when the pass that admits it comes
+    s2 = Scheduler(Capacity(8, 4), policy=_Asked(), config=SchedulerConfig(slack_tokens=0))
+    p2 = s2.policy
+    assert isinstance(p2, _Asked)
+    s2.arrive("big", spec(prompt=20, max_tokens=8), 0.0)  # 20 + 8 tokens: 7 of 8 blocks
+    assert not of(s2.arrive("w", spec(prompt=4, max_tokens=64), 0.0), ev.Admit, "w")
+    asked_before = len(p2.asked)
+    s2.finish("big", "stop", 1.0)
+    actions = s2.confirm_release("big", 1.0)
+    assert of(actions, ev.Admit, "w")
+    assert len(p2.asked) > asked_before  # asked again, and granted the newest answer
+    assert s2.requests["w"].allowance == 7 + len(p2.asked)
+
+
 def _calibrated(blocks: int = 16, **kw: Any) -> Scheduler:
     return Scheduler(
         Capacity(blocks, 4),

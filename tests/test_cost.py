@@ -339,6 +339,40 @@ def test_first_token_margin_is_a_quantile_of_how_late_first_tokens_came_after_th
     assert cm.first_token_margin(0.9) < 0.02
 
 
+def test_first_token_forecasts_read_between_observations_follow_every_observation() -> None:
+    """The line and the margins are kept between first tokens (an admission reads them several
+    times): read after every observation, the line is the forgetting-weighted least-squares
+    line through every first token so far, and the margins are those of a model that saw the
+    same first tokens and was never read in between."""
+    rng = random.Random(11)
+    seen: list[tuple[int, float]] = []
+    read = CostModel(TRUE)
+    for i in range(120):
+        ahead = 500 if i % 7 == 0 else rng.randint(0, 20_000)
+        seconds = 0.05 + 2e-4 * ahead + rng.uniform(0.0, 0.3)
+        read.observe_first_token(ahead, seconds)
+        seen.append((ahead, seconds))
+        if len(seen) >= 20:
+            # the weighted line, computed here from scratch (x in tokens, forgetting 0.99)
+            weights = [0.99 ** (len(seen) - 1 - k) for k in range(len(seen))]
+            w = sum(weights)
+            mx = sum(wk * a for wk, (a, _) in zip(weights, seen, strict=True)) / w
+            my = sum(wk * sec for wk, (_, sec) in zip(weights, seen, strict=True)) / w
+            sxx = sum(wk * (a - mx) ** 2 for wk, (a, _) in zip(weights, seen, strict=True))
+            sxy = sum(
+                wk * (a - mx) * (sec - my) for wk, (a, sec) in zip(weights, seen, strict=True)
+            )
+            slope = max(0.0, sxy / sxx)
+            for probe in (0, 700, 30_000):
+                want = max(0.0, my + slope * (probe - mx))
+                assert read.predict_first_token(probe) == pytest.approx(want, rel=1e-9)
+        fresh = CostModel(TRUE)
+        for a, sec in seen:
+            fresh.observe_first_token(a, sec)
+        for q in (0.5, 0.9):
+            assert read.first_token_margin(q) == fresh.first_token_margin(q)
+
+
 @pytest.mark.parametrize(("ahead", "seconds"), [(-1, 0.1), (1.5, 0.1), (10, -0.1), (10, math.nan)])
 def test_first_token_observation_rejects_bad_input(ahead: object, seconds: object) -> None:
     cm = CostModel()

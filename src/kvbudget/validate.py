@@ -20,6 +20,8 @@ Validator = Callable[[Any, Any, Any], None]
 
 def check_int(field: str, value: Any, *, minimum: int = 0, maximum: int | None = None) -> int:
     """Return ``value`` if it is an int in ``[minimum, maximum]``, else raise InvalidInput."""
+    if value.__class__ is int and value >= minimum and maximum is None:
+        return value  # (the common case, on the core's hot paths: a plain int, no upper bound)
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidInput(field, value, f"an integer >= {minimum}")
     if value < minimum or (maximum is not None and value > maximum):

@@ -193,6 +193,8 @@ class CostModel:
         "_current",
         "_forgetting",
         "_ft",
+        "_ft_line",
+        "_ft_margins",
         "_ft_n",
         "_ft_next",
         "_ft_residuals",
@@ -227,6 +229,11 @@ class CostModel:
         # first-token fit: forgetting-weighted sums of 1, x, y, x*x, x*y (x in 1,024 tokens)
         self._ft = [0.0, 0.0, 0.0, 0.0, 0.0]
         self._ft_n = 0
+        # the fitted line (intercept, slope per 1,024 tokens) and the margins read off the
+        # residuals (by quantile), kept until the next first token: several first-token
+        # forecasts are read per admission, and the fit only moves when one is observed
+        self._ft_line: tuple[float, float | None] | None = None
+        self._ft_margins: dict[float, float] = {}
         # how far each recent first token came after the line's prediction (ring buffer), and
         # the same sorted, rebuilt on the first read after a change
         self._ft_residuals: list[float] = []
@@ -288,13 +295,23 @@ class CostModel:
         if self._ft_n < _FT_MIN:
             prior = self.current()
             return prior.fixed_s + prior.prefill_time(tokens_ahead)
-        x = tokens_ahead / _T
+        line = self._ft_line
+        if line is None:
+            line = self._ft_line = self._first_token_line()
+        intercept, slope = line
+        if slope is None:
+            return max(0.0, intercept)
+        return max(0.0, intercept + slope * (tokens_ahead / _T))
+
+    def _first_token_line(self) -> tuple[float, float | None]:
+        """The fitted first-token line: its intercept and slope (per 1,024 tokens; None where
+        the observations do not fix one, and the line is their weighted mean)."""
         w, sx, sy, sxx, sxy = self._ft
         det = w * sxx - sx * sx
         if det <= 1e-12 * max(1.0, w * sxx):
-            return max(0.0, sy / w)
+            return sy / w, None
         slope = max(0.0, (w * sxy - sx * sy) / det)
-        return max(0.0, (sy - slope * sx) / w + slope * x)
+        return (sy - slope * sx) / w, slope
 
     def first_token_margin(self, q: float) -> float:
         """Seconds to add to :meth:`predict_first_token` for its ``q``-quantile: the
@@ -305,13 +322,19 @@ class CostModel:
         token late about half the time. (Over vLLM on this machine the 0.9-quantile margin was
         0-65 ms, beside a line of 17-50 ms for a prompt alone; see docs/benchmarks-history.md.)
         """
+        margin = self._ft_margins.get(q)
+        if margin is not None:
+            return margin
         ordered = self._ft_sorted
         if ordered is None:
             ordered = self._ft_sorted = sorted(self._ft_residuals)
         n = len(ordered)
         if n < _FT_RESIDUALS_MIN:
-            return 0.0
-        return max(0.0, ordered[min(n - 1, max(0, math.ceil(q * n) - 1))])
+            margin = 0.0
+        else:
+            margin = max(0.0, ordered[min(n - 1, max(0, math.ceil(q * n) - 1))])
+        self._ft_margins[q] = margin
+        return margin
 
     def observe_first_token(self, tokens_ahead: int, seconds: float) -> None:
         """A first token came ``seconds`` after admission, ``tokens_ahead`` tokens queued for
@@ -335,6 +358,8 @@ class CostModel:
                 kept[self._ft_next] = residual
                 self._ft_next = (self._ft_next + 1) % _FT_RESIDUALS
             self._ft_sorted = None
+            self._ft_margins.clear()
+        self._ft_line = None
         lam = self._forgetting
         ft = self._ft
         ft[0] = ft[0] * lam + 1.0

@@ -151,6 +151,10 @@ class Scheduler:
         #: callers queued on a placeholder wait forecast (no release seen when they came): the
         #: turn-away at arrival judges them again once the releases are measured
         self._placeholder_waits: list[Request] = []
+        #: the allowance an arrival was just asked, while nothing has moved since (the queues
+        #: were empty, no extension waited): the pass that admits it grants that very answer
+        #: rather than asking again (:meth:`_pump_arrival`)
+        self._fresh_allowance: tuple[Request, int] | None = None
         # stopped requests awaiting confirmation: they keep tick() from walking every request
         self._stopping: dict[str, Request] = {}
         #: requests holding a live grant (admitted, running or extending), in admission order
@@ -289,7 +293,8 @@ class Scheduler:
         )
         stats = self._stats(cls.name, spec.tenant)
         req = Request(request_id, spec, cls, now, stats, arrival)
-        grant = self._want_blocks(req)  # may raise PolicyViolation: count after it
+        allowance = self._allowance(req)  # may raise PolicyViolation: count after it
+        grant = self._want_blocks(req, allowance)
         stats.arrived += 1
         self.forecast.note_arrival(req, now)
         if grant > self.ledger.room():
@@ -304,8 +309,7 @@ class Scheduler:
         if not self.front:
             # the engine's own queue: every caller waits its turn (its expiry stays infinite)
             self.requests[request_id] = req
-            self.queues.push(req)
-            return self._pump(now)
+            return self._pump_arrival(req, allowance, now)
         forecast = self.forecast
         queued = self.queues.by_class[cls.name].count
         wait, measured = forecast.wait_estimate(req)
@@ -321,8 +325,7 @@ class Scheduler:
         if measured and bound is not None:
             req.wait_forecast, req.wait_bound = wait, bound
         self.requests[request_id] = req
-        self.queues.push(req)
-        actions = self._pump(now)
+        actions = self._pump_arrival(req, allowance, now)
         if not measured and req.state is State.QUEUED and self._first_token_pause_at(req) is None:
             # (a caller streams may be paused for is served by rounds of pauses, which the
             # release forecast does not see: judged again on it, most of a wave they serve
@@ -354,12 +357,30 @@ class Scheduler:
             pauses and self._served_by_pauses(req, ahead)
         )
 
-    def _want_blocks(self, req: Request) -> int:
-        """The blocks of ``req``'s next grant, which it may never exceed ``room`` by; its queue
-        demand (``req.want_blocks``) is what the grant would take now, less the prompt blocks
-        a live twin holds (estimated waits are then not inflated by a shared prefix counted
-        once per queued twin)."""
-        blocks = self.ledger.grant_blocks(req, req.generated + self._allowance(req))
+    def _pump_arrival(self, req: Request, allowance: int, now: float) -> list[ev.Action]:
+        """Queue the arrival ``req`` (asked ``allowance``) and run the pass that may admit it.
+
+        Where nothing else is queued and no extension waits, the pass comes to ``req`` first,
+        at the same instant, with no grant made or changed since its allowance was asked (only
+        the headroom may be resized first, which the allowance does not depend on): it grants
+        that answer rather than asking the policy again (the most repeated question of an
+        admission; the queue demand and the grant then agree by construction)."""
+        if not self._waiting_ext and not self.queues.count():
+            self._fresh_allowance = (req, allowance)
+        self.queues.push(req)
+        try:
+            return self._pump(now)
+        finally:
+            self._fresh_allowance = None
+
+    def _want_blocks(self, req: Request, allowance: int | None = None) -> int:
+        """The blocks of ``req``'s next grant (``allowance``: the policy's answer, if already
+        asked), which it may never exceed ``room`` by; its queue demand (``req.want_blocks``)
+        is what the grant would take now, less the prompt blocks a live twin holds (estimated
+        waits are then not inflated by a shared prefix counted once per queued twin)."""
+        if allowance is None:
+            allowance = self._allowance(req)
+        blocks = self.ledger.grant_blocks(req, req.generated + allowance)
         req.want_blocks = blocks - self.ledger.reusable(req)
         return blocks
 
@@ -367,6 +388,11 @@ class Scheduler:
         if not req.spec.resumable:
             # a request the engine cannot resume exactly is never paused: its whole hard max
             return req.remaining
+        fresh = self._fresh_allowance
+        if fresh is not None:
+            self._fresh_allowance = None  # (one use: the first question of the pass is its)
+            if fresh[0] is req:
+                return fresh[1]
         answer = self._ask(self.policy.initial_allowance, req)
         allowance = whole(answer)
         if allowance is None or allowance < 1 or allowance > req.remaining:

@@ -344,8 +344,8 @@ class CalibratedPolicy(BasePolicy):
         if self._outrun and req.cls.protected and not self._s.ledger.fits_admission(blocks):
             return False
         if (
-            self.cheap_to_pause(req)
-            and not self._s.ledger.fits_admission(blocks)
+            not self._s.ledger.fits_admission(blocks)  # (the cheaper question first)
+            and self.cheap_to_pause(req)
             and (req.generated or self._s.released_in_time(req, blocks))
         ):
             # the headroom is the next extension of every live stream granted the vLLM way: a
