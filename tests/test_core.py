@@ -344,6 +344,45 @@ def _full_cache(policy: BasePolicy) -> Scheduler:
     return s
 
 
+def test_a_token_that_lands_after_its_preemption_is_the_callers_own_first_token() -> None:
+    """Preempted before its first token, a request gets one token from the engine before the
+    stop lands. The checkpoint keeps it and the caller receives it, so it is the caller's first
+    token, counted once, and no token is wasted. (It was counted as wasted and the caller's
+    first token never was: a random policy on the real engine saw 9 first tokens for 10
+    callers, and a checkpoint cancelled later would have counted it wasted twice.)"""
+    cls = ServiceClass("batch", ttft_slo_s=0.2)
+    victim_b = ChoosesVictims(lambda s: [s.requests["b"]])
+    s = Scheduler(Capacity(4, 4), classes=(cls,), policy=victim_b,
+                  config=SchedulerConfig(slack_tokens=0))
+    for rid in ("a", "b"):
+        s.arrive(rid, spec(prompt=4, max_tokens=8), 0.0)
+    s.charge("a", 4, 0.1)
+    assert of(s.boundary_reached("a", 0.2), ev.Preempt, "b")
+    b = s.requests["b"]
+    assert b.state is State.PREEMPTING and b.generated == 0
+    s.charge("b", 1, 0.25)  # (before the stop lands: late for its 0.2 s objective)
+    s.confirm_release("b", 0.3)
+    assert b.resume is not None and b.resume.generated_tokens == 1
+
+    def to_hard_max(rid: str, now: float) -> None:
+        r = s.requests[rid]
+        while r.generated < r.hard_max:
+            if r.generated < r.boundary:
+                s.charge(rid, r.boundary - r.generated, now)
+            else:
+                s.boundary_reached(rid, now)
+        s.finish(rid, "length", now)
+
+    to_hard_max("a", 0.4)  # (b's blocks grow a's grant)
+    assert of(s.confirm_release("a", 0.6), ev.Admit, "b")
+    to_hard_max("b", 0.8)
+    s.confirm_release("b", 0.9)
+    totals = s.snapshot().totals
+    assert totals.completed == 2
+    assert (totals.first_tokens, totals.first_tokens_late) == (2, 1)
+    assert totals.wasted_tokens == 0 and totals.tokens == 16
+
+
 @pytest.mark.parametrize(
     "pick, detail",
     [

@@ -493,18 +493,20 @@ class Scheduler:
             pass
         elif state is _ADMITTED:
             lifecycle.first_token(req)
-            late = req.first_token_past_objective(now)
-            if late is not None:
-                if not req.generated:  # (the caller's own, not a resumed checkpoint's)
-                    req.stats.first_tokens += 1
-                    if late:
-                        req.stats.first_tokens_late += 1
-                self.forecast.note_first_token(req, late)
+            self._first_token_came(req, now)
             req.first_token_at = now
             if req.prefill_pending:
                 self._prefill_done(req)
                 self.cost.observe_first_token(req.prefill_ahead, max(0.0, now - req.admitted_at))
-        elif state is _RELEASING or state is _PREEMPTING:
+        elif state is _PREEMPTING:
+            # produced before the preemption landed: its checkpoint keeps them and the caller
+            # receives them (the first may be the caller's own first token)
+            if not req.generated:
+                self._first_token_came(req, now)
+            req.stats.tokens += tokens
+            ledger.charge(req, tokens)
+            return _NOTHING
+        elif state is _RELEASING:
             req.stats.wasted_tokens += tokens  # produced after the stop: nobody receives them
             ledger.charge(req, tokens)
             return _NOTHING
@@ -533,6 +535,17 @@ class Scheduler:
         if (g >= req.ask_at or g > req.boundary) and g < req.hard_max:
             return self._near_boundary(req, now)
         return _NOTHING
+
+    def _first_token_came(self, req: Request, now: float) -> None:
+        """A first token of ``req`` at ``now``: counted as the caller's own unless a resumed
+        checkpoint's, where its class has a first-token objective."""
+        late = req.first_token_past_objective(now)
+        if late is not None:
+            if not req.generated:
+                req.stats.first_tokens += 1
+                if late:
+                    req.stats.first_tokens_late += 1
+            self.forecast.note_first_token(req, late)
 
     def _near_boundary(self, req: Request, now: float) -> list[ev.Action]:
         # past its boundary (an engine that overshoots, into the reserved slack) a request is
