@@ -10,10 +10,11 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import attrs
 from hypothesis import settings
 
 from kvbudget.core.lifecycle import Request
-from kvbudget.core.model import Capacity
+from kvbudget.core.model import BATCH, INTERACTIVE, Capacity
 from kvbudget.core.policy import BasePolicy
 from kvbudget.core.policy.base import Blocked
 from kvbudget.testing import BudgetStateMachine, TrueLength
@@ -101,3 +102,18 @@ TestChaosTiny = BudgetStateMachine.for_policy(
     name="chaos-tiny",
 ).TestCase
 TestChaosTiny.settings = _SETTINGS
+
+# every class preemptible and under a first-token objective: the machine's exact count of the
+# callers' own first tokens, through preemptions, resumes and tokens after a stop, for both
+# classes (a preemption before the first token is rare here: test_core pins that case by hand)
+TestChaosObjectives = BudgetStateMachine.for_policy(
+    lambda true_length: ChaosPolicy(random.Random(3)),
+    capacity=Capacity(12, 4),
+    slack_tokens=2,
+    classes=(
+        attrs.evolve(INTERACTIVE, preemptible=True),
+        attrs.evolve(BATCH, ttft_slo_s=1.0),
+    ),
+    name="chaos-objectives",
+).TestCase
+TestChaosObjectives.settings = _SETTINGS

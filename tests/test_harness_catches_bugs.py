@@ -229,7 +229,7 @@ def test_shadow_detects_a_silently_released_stop() -> None:
     sh = m.shadows[rid]
     assert sh.phase == "running"
     m._call(f"charge:{rid}", lambda: list(m.sched.charge(rid, 8, m.now)))
-    sh.generated = 8
+    m._received(sh, 8)
     m._call(f"finish:{rid}", lambda: m.sched.finish(rid, "stop", m.now))
     m._stop(sh, "finish")
     m._end(sh, "completed")
@@ -306,7 +306,7 @@ def test_shared_prompt_blocks_in_the_harness() -> None:
     assert led.reserved == own + 3
     sh = m.shadows[a]
     m._call(f"charge:{a}", lambda: list(m.sched.charge(a, 4, m.now)))
-    sh.generated = 4
+    m._received(sh, 4)
     m._call(f"finish:{a}", lambda: m.sched.finish(a, "stop", m.now))
     m._stop(sh, "finish")
     m._end(sh, "completed")

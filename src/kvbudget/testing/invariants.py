@@ -67,10 +67,12 @@ def core_matches_shadow(
     admitted: int,
     preempted: int,
     rejected: int,
+    first_tokens: int,
 ) -> None:
     """Every request the harness sent is where the harness says (state, tokens, boundary,
     blocks), and the snapshot counts what the harness counted (``admitted``, ``preempted``,
-    ``rejected``: the Admit, Preempt and Reject actions it received)."""
+    ``rejected``: the Admit, Preempt and Reject actions it received; ``first_tokens``: callers'
+    own first tokens under a first-token objective that it sent and the caller receives)."""
     counts = {p: 0 for p in ("queued", "running", "stopped", "checkpointed")}
     for sh in shadows:
         req = s.requests.get(sh.rid)
@@ -105,6 +107,7 @@ def core_matches_shadow(
     assert snap.totals.rejected == rejected, (snap.totals.rejected, rejected)
     # (a caller's own first token is counted once, whatever pauses and resumes it went through)
     t = snap.totals
+    assert t.first_tokens == first_tokens, (t.first_tokens, first_tokens)
     assert t.first_tokens_late <= t.first_tokens <= t.arrived, (t.first_tokens, t.arrived)
 
 

@@ -161,6 +161,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
         self.n_admits = 0
         self.n_preempts = 0
         self.n_rejects = 0
+        self.n_first_tokens = 0  # callers' own first tokens under an objective, received
         self._ok = True
 
     @property
@@ -544,10 +545,16 @@ class BudgetStateMachine(RuleBasedStateMachine):
 
         def go() -> Sequence[ev.Action]:
             out = self.sched.charge(rid, n, self.now)
-            sh.generated += n
+            self._received(sh, n)
             return list(out)
 
         self._call(f"charge:{rid}", go)
+
+    def _received(self, sh: Shadow, n: int) -> None:
+        """``n`` tokens the caller receives came for ``sh`` (the first: its first token)."""
+        if not sh.generated and sh.cls.ttft_slo_s is not None:
+            self.n_first_tokens += 1
+        sh.generated += n
 
     def _writes_after_stop(self, sh: Shadow) -> bool:
         """Is ``sh`` stopped with tokens still in flight: the engine holds its KV yet and may
@@ -568,7 +575,10 @@ class BudgetStateMachine(RuleBasedStateMachine):
 
         def go() -> Sequence[ev.Action]:
             out = self.sched.charge(rid, n, self.now)
-            sh.generated += n
+            if sh.stop_kind == "preempt" and sh.end is None:  # (kept in the checkpoint)
+                self._received(sh, n)
+            else:
+                sh.generated += n  # (nobody receives them)
             key = (rid, sh.instance)  # (the engine holds the blocks the tokens opened)
             self.stale[key] = blocks_for(
                 sh.spec.prompt_tokens + sh.generated, self.sched.capacity.block_size
@@ -908,6 +918,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
             admitted=self.n_admits,
             preempted=self.n_preempts,
             rejected=self.n_rejects,
+            first_tokens=self.n_first_tokens,
         )
         inv.within_hard_max(s, shadows, self.slack)  # 2
         inv.tokens_within_grant(s, shadows, self.slack)  # 3
@@ -966,7 +977,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
 
                     def go(sh: Shadow = sh, n: int = n) -> Sequence[ev.Action]:
                         out = list(s.charge(sh.rid, n, self.now))
-                        sh.generated += n
+                        self._received(sh, n)
                         return out
 
                     self._call(f"charge:{rid}", go)
