@@ -87,11 +87,7 @@ def core_matches_shadow(
         if sh.phase == "running":
             assert req.state in LIVE_STATES, (req, sh.phase)
         elif sh.phase == "stopped":
-            want = (
-                State.PREEMPTING
-                if sh.stop_kind == "preempt" and sh.end is None
-                else State.RELEASING
-            )
+            want = State.PREEMPTING if sh.preempted_to_resume else State.RELEASING
             assert req.state is want, (req, want)
         elif sh.phase == "queued":
             assert req.state is State.QUEUED, req

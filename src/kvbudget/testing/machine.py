@@ -387,12 +387,12 @@ class BudgetStateMachine(RuleBasedStateMachine):
                 sh.blocks = 0
                 sh.prefix = sh.spec.prefix_blocks
                 sh.shared_at_grant = 0
-                if sh.stop_kind == "preempt" and sh.end is None and sh.generated >= hard:
+                if sh.preempted_to_resume and sh.generated >= hard:
                     # its last token came before the preemption landed: it finished
                     assert a.outcome == "completed" and not a.resumable, a
                     self._end(sh, "completed")
                     sh.phase = "ended"
-                elif sh.stop_kind == "preempt" and sh.end is None:
+                elif sh.preempted_to_resume:
                     assert a.outcome == "preempted" and a.resumable, a
                     sh.phase = "checkpointed"
                 else:
@@ -575,7 +575,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
 
         def go() -> Sequence[ev.Action]:
             out = self.sched.charge(rid, n, self.now)
-            if sh.stop_kind == "preempt" and sh.end is None:  # (kept in the checkpoint)
+            if sh.preempted_to_resume:  # (kept in the checkpoint)
                 self._received(sh, n)
             else:
                 sh.generated += n  # (nobody receives them)
@@ -681,7 +681,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
             assert any(isinstance(a, ev.Abort) and a.request_id == rid for a in actions), (
                 "cancelling a running request must abort it in the engine"
             )
-        elif sh.stop_kind == "preempt" and sh.end is None:
+        elif sh.preempted_to_resume:
             self._end(sh, "cancelled")  # the checkpoint is abandoned
             assert actions == [] or all(a.request_id != rid for a in actions)
         else:
@@ -691,7 +691,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
     @precondition(
         lambda self: (
             self._has(("running",))
-            or self._has(("stopped",), lambda sh: sh.stop_kind == "preempt" and sh.end is None)
+            or self._has(("stopped",), lambda sh: sh.preempted_to_resume)
         )
     )
     @rule(i=st.integers(0, 1000))
@@ -700,7 +700,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
         sh = self._pick(
             i,
             ("running", "stopped"),
-            lambda sh: sh.phase == "running" or (sh.stop_kind == "preempt" and sh.end is None),
+            lambda sh: sh.phase == "running" or sh.preempted_to_resume,
         )
         assert sh is not None
         rid = sh.rid

@@ -48,5 +48,11 @@ class Shadow:
     def end(self) -> str | None:
         return self.ends[0] if self.ends else None
 
+    @property
+    def preempted_to_resume(self) -> bool:
+        """Stopped by a preemption that nothing has ended since: it will resume (the core's
+        preempting until the engine confirms the stop, then checkpointed)."""
+        return self.stop_kind == "preempt" and self.end is None
+
 
 __all__ = ["Shadow"]
