@@ -206,3 +206,38 @@ def test_intake_flag_overrides_the_profiles(tmp_path: Path) -> None:
     for bad in ("-1", "nan", "inf"):
         with pytest.raises(SystemExit):
             main([*TINY, "--intake-ms", bad])
+
+
+class _Terminal:
+    """A stderr that says it is a terminal, and keeps what is written to it."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_bar_is_drawn_on_a_terminal_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = ["simulate", "--limit", "40", "--capacity-blocks", "500", "--policy", "calibrated"]
+    # piped or logged (pytest's captured stderr is no terminal): not one redrawn frame
+    assert main(run) == 0
+    assert "\r[" not in capsys.readouterr().err
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert main(run) == 0
+    assert "\r[" in terminal.text and "done" in terminal.text
+    # --quiet: none even on a terminal
+    quiet = _Terminal()
+    monkeypatch.setattr("sys.stderr", quiet)
+    assert main([*run, "--quiet"]) == 0
+    assert quiet.text == ""

@@ -4,7 +4,7 @@ This module owns argument parsing and the ``simulate`` subcommand: build a workl
 the built-in synthetic one), overlay a scenario, replay it through each policy with the
 discrete-event driver (:mod:`kvbudget.sim.driver`) against the engine model
 (:mod:`kvbudget.sim.engine`), print one table, and optionally write JSON and a PNG
-(:mod:`kvbudget.sim.report`). A text progress bar goes to stderr.
+(:mod:`kvbudget.sim.report`). A text progress bar goes to stderr when it is a terminal.
 
 Subcommands are registered in :data:`SUBCOMMANDS` (name -> function that adds its subparser);
 add a new one with :func:`subcommand` -- e.g. ``kvbudget inspect URL`` lives in its own module and
@@ -73,6 +73,15 @@ class ProgressBar:
         self.update(self.total, "done", force=True)
         self.stream.write("\n")
         self.stream.flush()
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    """Is ``stream`` an interactive terminal (where a redrawn progress bar belongs)?"""
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if isatty is not None else False
+    except (OSError, ValueError):  # (a closed or detached stream)
+        return False
 
 
 def _float_list(text: str) -> list[float]:
@@ -376,7 +385,10 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     g.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     g.add_argument("--plot", metavar="PATH", help="write a PNG chart")
     g.add_argument("--markdown", action="store_true", help="print the table as markdown")
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--quiet", action="store_true",
+        help="no progress bar (there is none unless stderr is a terminal)",
+    )
     p.set_defaults(handler=_simulate)
 
 
@@ -513,7 +525,13 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"kvbudget simulate: {exc}", file=sys.stderr)
         return 2
     policies = list(dict.fromkeys(args.policy or POLICY_NAMES))
-    bar = None if args.quiet else ProgressBar(len(policies) * len(rates))
+    # (a bar redrawn with carriage returns is for a terminal: piped or logged, it would write
+    # one frame per redraw into the file)
+    bar = (
+        None
+        if args.quiet or not _is_terminal(sys.stderr)
+        else ProgressBar(len(policies) * len(rates))
+    )
     runs: list[report.RunResult] = []
     for k, scenario in enumerate(scenarios):
         requests = apply_scenario(workload, scenario)
