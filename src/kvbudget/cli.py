@@ -75,15 +75,6 @@ class ProgressBar:
         self.stream.flush()
 
 
-def _is_terminal(stream: TextIO) -> bool:
-    """Is ``stream`` an interactive terminal (where a redrawn progress bar belongs)?"""
-    isatty = getattr(stream, "isatty", None)
-    try:
-        return bool(isatty()) if isatty is not None else False
-    except (OSError, ValueError):  # (a closed or detached stream)
-        return False
-
-
 def _float_list(text: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
@@ -505,6 +496,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from kvbudget.core.config import SchedulerConfig
     from kvbudget.core.policy import POLICY_NAMES
     from kvbudget.errors import KvBudgetError
+    from kvbudget.observability import is_terminal
     from kvbudget.sim import report
     from kvbudget.sim.driver import run_policies
     from kvbudget.sim.scenario import apply_scenario, overlay_summary
@@ -529,7 +521,7 @@ def _simulate(args: argparse.Namespace) -> int:
     # one frame per redraw into the file)
     bar = (
         None
-        if args.quiet or not _is_terminal(sys.stderr)
+        if args.quiet or not is_terminal(sys.stderr)
         else ProgressBar(len(policies) * len(rates))
     )
     runs: list[report.RunResult] = []

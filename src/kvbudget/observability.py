@@ -290,6 +290,16 @@ EVENT_LEVELS: Final[tuple[str, ...]] = ("debug", "info", "warning", "error")
 EVENT_TIME_FORMAT: Final[str] = "%Y-%m-%d %H:%M:%S.%f"
 
 
+def is_terminal(stream: object) -> bool:
+    """Is ``stream`` an interactive terminal? Output meant for a person at one (colours, a
+    redrawn progress bar) is written there only, never into a log file or a pipe."""
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if callable(isatty) else False
+    except (OSError, ValueError):  # (a closed or detached stream)
+        return False
+
+
 def configure_events(level: int | str = logging.INFO) -> None:
     """Configure structlog for a server that has no structlog configuration of its own:
     kvbudget's events (and any other structlog event) at ``level`` and above (a name of
@@ -308,7 +318,7 @@ def configure_events(level: int | str = logging.INFO) -> None:
     # colours as structlog's defaults choose them: on a terminal, unless NO_COLOR; FORCE_COLOR
     # anywhere (a server's log file gets none)
     force = os.environ.get("FORCE_COLOR", "") != ""
-    tty = hasattr(sys.stdout, "isatty") and sys.stdout.isatty()
+    tty = is_terminal(sys.stdout)
     colors = os.environ.get("NO_COLOR", "") == "" and (force or tty)
     structlog.configure(
         processors=[
@@ -876,6 +886,7 @@ __all__ = [
     "emit",
     "format_snapshot",
     "get_logger",
+    "is_terminal",
     "log_drift",
     "log_snapshot",
     "metric_names",
