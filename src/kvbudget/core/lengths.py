@@ -684,8 +684,10 @@ class LengthModel:
         See :meth:`LengthHistogram.conditional_quantile` for a request that outlived all the
         data, and the class docstring for the prior.
         """
-        q = _check_q(q)
-        check_int("given", given, minimum=0)
+        if type(q) is not float or not 0.0 < q < 1.0:
+            q = _check_q(q)
+        if type(given) is not int or given < 0:
+            check_int("given", given, minimum=0)
         node = self._node_for(key)
         if node is None:
             return given + self._prior_quantile(q)
@@ -701,7 +703,8 @@ class LengthModel:
 
     def survival(self, key: CalibrationKey, at: int) -> float:
         """P(L > at) for ``key``."""
-        check_int("at", at, minimum=0)
+        if type(at) is not int or at < 0:
+            check_int("at", at, minimum=0)
         node = self._node_for(key)
         if node is None:
             return math.exp(-at / self._prior)

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from kvbudget.core.model import CalibrationKey, RequestSpec, ServiceClass
     from kvbudget.core.stats import Counters
 
+_INF = float("inf")
+
 
 class State(enum.Enum):
     QUEUED = "queued"  # waiting for admission, holds nothing
@@ -262,7 +264,7 @@ class Request:
         self.paused_for = False
         self.release_started_at: float | None = None
         self.unconfirmed = False
-        self.expiry = float("inf")  # when it is turned away if still queued (the scheduler's)
+        self.expiry = _INF  # when it is turned away if still queued (the scheduler's)
         #: the wait for admission forecast when it was queued (0: admitted at once, not
         #: forecast, or with no bound) and the wait it might have then; the forecast learns
         #: from whether it was admitted in time (Forecast.note_waited)
@@ -270,7 +272,7 @@ class Request:
         self.wait_bound = 0.0
         #: the slowest inter-token gap this stream may see (inf: none)
         floor = cls.latency_floor_s
-        self.latency_floor = floor if floor is not None else float("inf")
+        self.latency_floor = floor if floor is not None else _INF
         self.continuation_seq = 0
         self.stats = stats
 

@@ -125,7 +125,9 @@ class Queues:
     no tenant stride, first come first served.
     """
 
-    __slots__ = ("_floor_of", "by_class", "expiry_floor", "order", "tenant_weights")
+    __slots__ = (
+        "_floor_of", "_served", "_through", "by_class", "expiry_floor", "order", "tenant_weights"
+    )
 
     def __init__(
         self,
@@ -148,6 +150,13 @@ class Queues:
         self._floor_of = {n: (n if by_class else self.order[0].name) for n in classes}
         self.expiry_floor: dict[str, float] = dict.fromkeys(classes, math.inf)
         self.tenant_weights = tenant_weights
+        # (fixed with the classes, and asked at every arrival: kept rather than walked each time)
+        self._served = tuple(self.by_class[c.name] for c in self.order)
+        #: each class's queue and those of the classes served before it
+        self._through: dict[str, tuple[ClassQueue, ...]] = {
+            n: tuple(self.by_class[c.name] for c in self.order if c.priority <= cls.priority)
+            for n, cls in classes.items()
+        }
 
     def weight(self, tenant: str) -> float:
         return float(self.tenant_weights.get(tenant, 1.0))
@@ -167,22 +176,24 @@ class Queues:
         self.by_class[req.cls.name].pop(req)
 
     def count(self) -> int:
-        return sum(self.by_class[c.name].count for c in self.order)
-
-    def _through(self, cls: ServiceClass) -> Iterator[ClassQueue]:
-        """The queues of ``cls`` and of the classes served before it."""
-        for c in self.order:
-            if c.priority > cls.priority:
-                return
-            yield self.by_class[c.name]
+        n = 0
+        for queue in self._served:
+            n += queue.count
+        return n
 
     def count_ahead(self, cls: ServiceClass) -> int:
         """Requests queued in ``cls`` and in the classes served before it."""
-        return sum(queue.count for queue in self._through(cls))
+        n = 0
+        for queue in self._through[cls.name]:
+            n += queue.count
+        return n
 
     def blocks_ahead(self, cls: ServiceClass) -> int:
         """Blocks wanted by everything queued in ``cls`` and in the classes served before it."""
-        return sum(queue.want_blocks for queue in self._through(cls))
+        n = 0
+        for queue in self._through[cls.name]:
+            n += queue.want_blocks
+        return n
 
     def expired(self, now: float) -> list[Request]:
         """Queued requests whose expiry ``now`` has passed, in class order (refreshes the

@@ -45,7 +45,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import accumulate
-from typing import ParamSpec, TypeVar
+from typing import TypeVar, TypeVarTuple
 
 from kvbudget.core import events as ev
 from kvbudget.core import lifecycle
@@ -81,7 +81,7 @@ from kvbudget.errors import (
 )
 from kvbudget.validate import check_float, check_int, whole
 
-_P = ParamSpec("_P")
+_Args = TypeVarTuple("_Args")
 _R = TypeVar("_R")
 _NOTHING: tuple[ev.Action, ...] = ()
 _LIVE = LIVE_STATES
@@ -980,14 +980,14 @@ class Scheduler:
         target = self._ask(self.policy.headroom_target)
         protected = self._ask(self.policy.protected_blocks) if self.protected_live else 0
         ledger = self.ledger
-        if (
-            target.__class__ is int
-            and protected.__class__ is int
-            and target == ledger.headroom_target
-            and protected == ledger.protected_blocks
-        ):
-            return  # (unchanged, and the ledger checked these very values when it took them)
-        blocks, kept = whole(target), whole(protected)
+        blocks: int | None
+        kept: int | None
+        if target.__class__ is int and protected.__class__ is int:
+            if target == ledger.headroom_target and protected == ledger.protected_blocks:
+                return  # (unchanged, and the ledger checked these very values when it took them)
+            blocks, kept = target, protected  # (whole already: the common answer)
+        else:
+            blocks, kept = whole(target), whole(protected)
         if blocks is not None and kept is not None:
             target = min(blocks, self.capacity.blocks)
             protected = min(kept, target)
@@ -1027,13 +1027,14 @@ class Scheduler:
             done, self._stranded = self._stranded, []
             return done
 
-    def _ask(self, decide: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def _ask(self, decide: Callable[[*_Args], _R], *args: *_Args) -> _R:
         """A decision of the policy's (``decide``, one of its hooks). One that raises is a
         refused answer (:class:`PolicyViolation`, the exception as its cause) wherever it is
         asked: typed for the caller whose pass asked it, kept as a fault in a pass after a
         change already made (:meth:`_pass_after`). kvbudget's own errors pass as raised."""
         try:
-            return decide(*args, **kwargs)
+            # (positional only: this wraps every policy answer of an admission)
+            return decide(*args)
         except KvBudgetError:
             raise
         except Exception as exc:
