@@ -399,11 +399,11 @@ def test_past_future_draws_k_lists_per_round() -> None:
     for n, k in ((1, 5), (50, 5), (67, 3), (100, 3), (250, 1)):
         p = PastFuturePolicy()
         live = {str(i): _req(16, 0, 64) for i in range(n)}
-        p.bind(cast(Any, SimpleNamespace(live=live)))
+        p.bind(cast(Any, SimpleNamespace(live=live, capacity=Capacity(64, 16))))
         p._start_round()
         assert len(p._lists) == k and all(len(lst) == n for lst in p._lists)
     p = PastFuturePolicy()
-    p.bind(cast(Any, SimpleNamespace(live={})))
+    p.bind(cast(Any, SimpleNamespace(live={}, capacity=Capacity(64, 16))))
     p._start_round()
     assert p._lists == [[]]
 

@@ -77,8 +77,11 @@ class StepTimeModel:
 
     def decode_time(self, batch_size: int, context_tokens: int) -> float:
         """Seconds for one decode step of ``batch_size`` sequences and ``context_tokens`` KV."""
-        check_int("batch_size", batch_size, minimum=0)
-        check_int("context_tokens", context_tokens, minimum=0)
+        # (the checks' common case inline: every admission and extension asks this)
+        if batch_size.__class__ is not int or batch_size < 0:
+            check_int("batch_size", batch_size, minimum=0)
+        if context_tokens.__class__ is not int or context_tokens < 0:
+            check_int("context_tokens", context_tokens, minimum=0)
         if batch_size == 0:
             return 0.0
         return (
@@ -87,7 +90,8 @@ class StepTimeModel:
 
     def prefill_time(self, tokens: int) -> float:
         """Seconds a prefill of ``tokens`` prompt tokens adds to its step."""
-        check_int("tokens", tokens, minimum=0)
+        if tokens.__class__ is not int or tokens < 0:
+            check_int("tokens", tokens, minimum=0)
         return self.prefill_per_token_s * tokens
 
 

@@ -56,7 +56,7 @@ from kvbudget.core.lifecycle import (
     check_transition,
     transition,
 )
-from kvbudget.core.model import Capacity, blocks_for
+from kvbudget.core.model import Capacity
 from kvbudget.errors import PolicyViolation
 from kvbudget.validate import check_int, whole
 
@@ -142,7 +142,9 @@ class Ledger:
 
     def grant_blocks(self, req: Request, boundary: int) -> int:
         """Blocks a grant covering ``boundary`` output tokens of ``req`` needs."""
-        return blocks_for(req.prompt + boundary + self.slack_tokens, self.block_size)
+        # (model.blocks_for's rounding, written out here and for used_blocks: asked several
+        # times in every admission, where a call is most of its cost)
+        return -(-(req.prompt + boundary + self.slack_tokens) // self.block_size)
 
     def covered_boundary(self, req: Request, blocks: int) -> int:
         """The output tokens ``blocks`` cover for ``req``, capped at its hard max."""
@@ -157,12 +159,15 @@ class Ledger:
     def admission_blocks(self, req: Request, boundary: int) -> int:
         """What granting ``req`` a grant to ``boundary`` takes from the free blocks: the grant
         less the prefix blocks already charged to another holder."""
-        return self.grant_blocks(req, boundary) - self.reusable(req)
+        blocks = self.grant_blocks(req, boundary)
+        return blocks - self.reusable(req) if req.prefix else blocks
 
     def prefill_tokens(self, req: Request) -> int:
         """The tokens admitting ``req`` now would have the engine prefill: its context less the
         prompt blocks a holder keeps in the engine's cache (at least one token: the engine
         always computes the last one)."""
+        if not req.prefix:
+            return max(1, req.prompt + req.generated)
         reused = self.reusable(req) if req.blocks == 0 else req.shared_at_grant
         return max(1, req.prompt + req.generated - reused * self.block_size)
 
@@ -186,7 +191,7 @@ class Ledger:
         return req.blocks - len(req.prefix) + alone
 
     def fits_admission(self, blocks: int) -> bool:
-        return self.free - blocks >= self.headroom_target
+        return self.capacity.blocks - self.reserved - blocks >= self.headroom_target  # (free)
 
     def protected_floor(self, protected: bool) -> int:
         """The free blocks a request may not take: the protected part of the headroom, unless
@@ -226,14 +231,14 @@ class Ledger:
                 f"output tokens, got {boundary}",
             )
         blocks = self.grant_blocks(req, boundary)
-        reused = self.reusable(req)
+        reused = self.reusable(req) if req.prefix else 0
         cost = blocks - reused
         if cost > self.free:
             raise PolicyViolation(policy, f"grant of {cost} blocks exceeds {self.free} free")
         transition(req, Trigger.ADMIT)
         req.blocks = blocks
         req.boundary = self.covered_boundary(req, blocks)
-        req.used_blocks = blocks_for(req.prompt + req.generated, self.block_size)
+        req.used_blocks = -(-(req.prompt + req.generated) // self.block_size)
         req.shared_at_grant = reused
         shared = self.shared
         for h in req.prefix:

@@ -294,7 +294,8 @@ class LengthHistogram:
         return surv
 
     def _survival(self, x: int) -> float:
-        surv = self._curve()
+        # (the cache's check first: this is asked at every grant)
+        surv = self._surv if self._surv_version == self._version else self._curve()
         j = bucket_index(x)
         before, after = surv[j], surv[j + 1]
         log_ratio = _LOG_RATIO[j]
@@ -670,7 +671,8 @@ class LengthModel:
         node = self._node_for(key)
         if node is None:
             return self._prior_quantile(q)
-        node.current()
+        if node.qversion != node.hist._version:
+            node.current()
         cache = node.qcache
         ans = cache.get(q)
         if ans is None:
@@ -691,7 +693,8 @@ class LengthModel:
         node = self._node_for(key)
         if node is None:
             return given + self._prior_quantile(q)
-        node.current()
+        if node.qversion != node.hist._version:
+            node.current()
         cache = node.ccache
         ans = cache.get((q, given))
         if ans is None:

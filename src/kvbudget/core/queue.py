@@ -126,7 +126,14 @@ class Queues:
     """
 
     __slots__ = (
-        "_floor_of", "_served", "_through", "by_class", "expiry_floor", "order", "tenant_weights"
+        "_floor_of",
+        "_served",
+        "_through",
+        "_weight_of",
+        "by_class",
+        "expiry_floor",
+        "order",
+        "tenant_weights",
     )
 
     def __init__(
@@ -150,6 +157,8 @@ class Queues:
         self._floor_of = {n: (n if by_class else self.order[0].name) for n in classes}
         self.expiry_floor: dict[str, float] = dict.fromkeys(classes, math.inf)
         self.tenant_weights = tenant_weights
+        #: each tenant's stride weight as a float (a tenant not listed weighs 1)
+        self._weight_of = {tenant: float(w) for tenant, w in tenant_weights.items()}
         # (fixed with the classes, and asked at every arrival: kept rather than walked each time)
         self._served = tuple(self.by_class[c.name] for c in self.order)
         #: each class's queue and those of the classes served before it
@@ -158,12 +167,10 @@ class Queues:
             for n, cls in classes.items()
         }
 
-    def weight(self, tenant: str) -> float:
-        return float(self.tenant_weights.get(tenant, 1.0))
-
     def push(self, req: Request, front: bool = False) -> None:
         """Queue ``req`` (its ``expiry`` already set)."""
-        self.by_class[req.cls.name].push(req, self.weight(req.spec.tenant), front=front)
+        weight = self._weight_of.get(req.spec.tenant, 1.0)  # (default weight 1)
+        self.by_class[req.cls.name].push(req, weight, front)
         self.note_expiry(req)
 
     def note_expiry(self, req: Request) -> None:

@@ -65,7 +65,7 @@ from kvbudget.core.lifecycle import (
     Trigger,
 )
 from kvbudget.core.model import Capacity, RequestSpec, ServiceClass, class_table, lookup_class
-from kvbudget.core.policy import Blocked, Policy, resolve_policy
+from kvbudget.core.policy import BasePolicy, Blocked, Policy, resolve_policy
 from kvbudget.core.queue import ClassQueue, Queues
 from kvbudget.core.resume import Continuation
 from kvbudget.core.stats import Counters, Snapshot, sum_counters
@@ -136,7 +136,11 @@ class Scheduler:
         self.front = bool(getattr(self.policy, "front", True))
         #: the queue, growth and progress orders honour class priority
         self.class_order = self.front or bool(getattr(self.policy, "class_priority", False))
-        self._arrival_refusal = getattr(self.policy, "arrival_refusal", None)
+        refusal = getattr(self.policy, "arrival_refusal", None)
+        # (BasePolicy's own refuses no one: not asked at every arrival)
+        if getattr(refusal, "__func__", None) is BasePolicy.arrival_refusal:
+            refusal = None
+        self._arrival_refusal = refusal
         self.requests: dict[str, Request] = {}
         self._released: OrderedDict[str, None] = OrderedDict()
         self.queues = Queues(
@@ -319,11 +323,12 @@ class Scheduler:
         # the service forecast of a deadline only matters to a caller that waits: one admitted
         # at once skips it (it is most of an arrival's cost), one that stays queued gets it below
         req.expiry = forecast.queue_expiry(req, service=wait > 0.0)
-        bound = forecast.wait_bound(req, now)
-        if self._turned_away(req, wait, bound):
-            return [self._reject_new(req, wait, "deadline")]
-        if measured and bound is not None:
-            req.wait_forecast, req.wait_bound = wait, bound
+        if wait > 0.0:  # (no wait forecast: never turned away, and no forecast to learn from)
+            bound = forecast.wait_bound(req, now)
+            if self._turned_away(req, wait, bound):
+                return [self._reject_new(req, wait, "deadline")]
+            if measured and bound is not None:
+                req.wait_forecast, req.wait_bound = wait, bound
         self.requests[request_id] = req
         actions = self._pump_arrival(req, allowance, now)
         if not measured and req.state is State.QUEUED and self._first_token_pause_at(req) is None:
@@ -381,7 +386,7 @@ class Scheduler:
         if allowance is None:
             allowance = self._allowance(req)
         blocks = self.ledger.grant_blocks(req, req.generated + allowance)
-        req.want_blocks = blocks - self.ledger.reusable(req)
+        req.want_blocks = blocks - self.ledger.reusable(req) if req.prefix else blocks
         return blocks
 
     def _allowance(self, req: Request) -> int:
@@ -1258,11 +1263,11 @@ class Scheduler:
         )
         actions.append(ev.Continue(req.request_id, cont))
 
-    def _within_floor(self, extra_seqs: int, extra_context: int, prefill_tokens: int = 0) -> bool:
-        """Would a step with this much more work stay under every active stream's floor?
-
-        ``prefill_tokens``: the prompt an admission brings; the steps that prefill it carry up
-        to ``prefill_chunk_tokens`` of it beside the decode of every active stream.
+    def _within_floor(self, req: Request, allowance: int) -> bool:
+        """Would the steps after admitting ``req`` for ``allowance`` tokens stay under every
+        active stream's floor? Its sequence and context join the batch, and the steps that
+        prefill its prompt carry up to ``prefill_chunk_tokens`` of it beside the decode of
+        every active stream.
         """
         if not self._active_by_floor:
             return True
@@ -1270,8 +1275,9 @@ class Scheduler:
         if floor == math.inf:
             return True
         predicted = self.cost.predict_decode(
-            self.active + extra_seqs, self.active_context + extra_context
+            self.active + 1, self.active_context + req.prompt + req.generated + allowance
         )
+        prefill_tokens = self.ledger.prefill_tokens(req)
         if prefill_tokens:
             chunk = self.config.prefill_chunk_tokens
             predicted += self.cost.predict_prefill(
@@ -1314,7 +1320,7 @@ class Scheduler:
                     actions.append(self._turn_away(req, "first-token-late"))
                     continue
                 ahead = self._lookahead(req)  # (asked first: an answer refused changes nothing)
-                queue.pop(req, admitted=True)
+                queue.pop(req, True)  # (admitted)
                 if req.wait_forecast:
                     self.forecast.note_waited(req.wait_forecast, req.wait_bound, True, now)
                     req.wait_forecast = 0.0
@@ -1428,9 +1434,7 @@ class Scheduler:
         within_floor = (
             self.active == 0
             or not self.front  # (the latency-floor gate is kvbudget's front: no engine has it)
-            or self._within_floor(
-                1, req.prompt + req.generated + allowance, self.ledger.prefill_tokens(req)
-            )
+            or self._within_floor(req, allowance)
         )
         return self._ask(self.policy.admit, req, blocks) or idle, within_floor
 

@@ -88,18 +88,18 @@ class BasePolicy:
     #: it (:mod:`kvbudget.sim.driver`).
     preempts_in_engine: ClassVar[bool] = False
     _s: SchedulerView
+    #: the engine's block size in tokens (the bound scheduler's: kept, as it is asked several
+    #: times in every admission and extension)
+    block_size: int
 
     def bind(self, scheduler: SchedulerView) -> None:
         self._s = scheduler
+        self.block_size = scheduler.capacity.block_size
 
     @property
     def scheduler(self) -> SchedulerView:
         """The scheduler this policy is bound to, read-only."""
         return self._s
-
-    @property
-    def block_size(self) -> int:
-        return self._s.capacity.block_size
 
     def headroom_target(self) -> int:
         return 0
