@@ -635,6 +635,10 @@ class RaisesIn(Fixed):
         if hook == self.hook:
             raise ZeroDivisionError(f"{hook} bug")
 
+    def headroom_target(self) -> int:
+        self._maybe("headroom_target")
+        return super().headroom_target()
+
     def initial_allowance(self, req: Request) -> int:
         self._maybe("initial_allowance")
         return super().initial_allowance(req)
@@ -657,7 +661,15 @@ class RaisesIn(Fixed):
 
 
 @pytest.mark.parametrize(
-    "hook", ["initial_allowance", "admit", "lookahead_tokens", "extension_tokens", "on_blocked"]
+    "hook",
+    [
+        "headroom_target",
+        "initial_allowance",
+        "admit",
+        "lookahead_tokens",
+        "extension_tokens",
+        "on_blocked",
+    ],
 )
 def test_a_decision_hook_that_raises_reaches_its_caller_as_a_policy_violation(hook: str) -> None:
     """A decision hook that raises in a caller's own pass (an arrival, a boundary) used to reach

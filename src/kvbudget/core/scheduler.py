@@ -398,7 +398,13 @@ class Scheduler:
             self._fresh_allowance = None  # (one use: the first question of the pass is its)
             if fresh[0] is req:
                 return fresh[1]
-        answer = self._ask(self.policy.initial_allowance, req)
+        policy = self.policy
+        try:
+            answer = policy.initial_allowance(req)
+        except KvBudgetError:
+            raise
+        except Exception as exc:  # (as _ask: see _refused)
+            raise self._refused(policy.initial_allowance, exc) from exc
         allowance = whole(answer)
         if allowance is None or allowance < 1 or allowance > req.remaining:
             raise PolicyViolation(
@@ -982,7 +988,13 @@ class Scheduler:
         none (an interactive stream admitted later extends into what is free, or preempts the
         preemptible work that took it), so work of other classes may grow to the whole cache
         rather than end short of one that holds it."""
-        target = self._ask(self.policy.headroom_target)
+        policy = self.policy
+        try:
+            target = policy.headroom_target()
+        except KvBudgetError:
+            raise
+        except Exception as exc:  # (as _ask: see _refused)
+            raise self._refused(policy.headroom_target, exc) from exc
         protected = self._ask(self.policy.protected_blocks) if self.protected_live else 0
         ledger = self.ledger
         blocks: int | None
@@ -1038,13 +1050,20 @@ class Scheduler:
         asked: typed for the caller whose pass asked it, kept as a fault in a pass after a
         change already made (:meth:`_pass_after`). kvbudget's own errors pass as raised."""
         try:
-            # (positional only: this wraps every policy answer of an admission)
             return decide(*args)
         except KvBudgetError:
             raise
         except Exception as exc:
-            name = getattr(decide, "__name__", repr(decide))
-            raise PolicyViolation(self.policy.name, f"{name} raised {exc!r}") from exc
+            raise self._refused(decide, exc) from exc
+
+    def _refused(self, decide: Callable[..., object], exc: Exception) -> PolicyViolation:
+        """The refused answer of a policy hook ``decide`` that raised ``exc`` (:meth:`_ask`).
+        The four hooks every admission asks (``headroom_target``, ``initial_allowance``,
+        ``admit``, ``lookahead_tokens``) are called in a ``try`` of their own that raises this,
+        rather than through :meth:`_ask`: its extra call, four times over, was about a twentieth
+        of an admission's cost (``benchmarks/core_hot_path.py``)."""
+        name = getattr(decide, "__name__", repr(decide))
+        return PolicyViolation(self.policy.name, f"{name} raised {exc!r}")
 
     def _notify(self, hook: str, request_id: str | None, *args: object) -> None:
         """Tell the policy (``hook``: a notification, which decides nothing) what happened. One
@@ -1153,7 +1172,13 @@ class Scheduler:
 
     def _lookahead(self, req: Request) -> int:
         """The policy's lookahead for ``req``'s next grant (``Policy.lookahead_tokens``)."""
-        answer = self._ask(self.policy.lookahead_tokens, req)
+        policy = self.policy
+        try:
+            answer = policy.lookahead_tokens(req)
+        except KvBudgetError:
+            raise
+        except Exception as exc:  # (as _ask: see _refused)
+            raise self._refused(policy.lookahead_tokens, exc) from exc
         ahead = whole(answer)
         if ahead is None or ahead < 0:
             raise PolicyViolation(
@@ -1436,7 +1461,14 @@ class Scheduler:
             or not self.front  # (the latency-floor gate is kvbudget's front: no engine has it)
             or self._within_floor(req, allowance)
         )
-        return self._ask(self.policy.admit, req, blocks) or idle, within_floor
+        policy = self.policy
+        try:
+            admits = policy.admit(req, blocks)
+        except KvBudgetError:
+            raise
+        except Exception as exc:  # (as _ask: see _refused)
+            raise self._refused(policy.admit, exc) from exc
+        return admits or idle, within_floor
 
     def _may_admit(
         self, req: Request, blocks: int, allowance: int, now: float, actions: list[ev.Action]
