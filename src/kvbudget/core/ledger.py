@@ -191,7 +191,7 @@ class Ledger:
         return req.blocks - len(req.prefix) + alone
 
     def fits_admission(self, blocks: int) -> bool:
-        return self.capacity.blocks - self.reserved - blocks >= self.headroom_target  # (free)
+        return self.free - blocks >= self.headroom_target
 
     def protected_floor(self, protected: bool) -> int:
         """The free blocks a request may not take: the protected part of the headroom, unless

@@ -133,7 +133,6 @@ class Queues:
         "by_class",
         "expiry_floor",
         "order",
-        "tenant_weights",
     )
 
     def __init__(
@@ -156,7 +155,6 @@ class Queues:
         #: each class's expiry floor is kept under the name its queue is walked by
         self._floor_of = {n: (n if by_class else self.order[0].name) for n in classes}
         self.expiry_floor: dict[str, float] = dict.fromkeys(classes, math.inf)
-        self.tenant_weights = tenant_weights
         #: each tenant's stride weight as a float (a tenant not listed weighs 1)
         self._weight_of = {tenant: float(w) for tenant, w in tenant_weights.items()}
         # (fixed with the classes, and asked at every arrival: kept rather than walked each time)
