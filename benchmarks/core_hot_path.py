@@ -2,12 +2,14 @@
 
 * ``charge``: ``Scheduler.charge`` of one generated token on a running request far from its
   boundary (the per-token path);
-* ``admit``: an ``arrive`` that is admitted at once;
+* ``admit``: an ``arrive`` that is admitted at once: batch work with no prefix blocks, and
+  (figures of their own) an interactive caller (a first-token objective, a latency floor, a
+  protected class) and batch work sharing four prefix blocks with the callers beside it;
 * ``extend``: a ``charge`` that crosses the ask-ahead point and triggers an ``Extend``.
 
 Each figure is the median over many batches of the per-operation time (``perf_counter_ns``).
 Targets: charge <= 1 us, admit and extend <= 20 us each at 1,000 active grants.
-The last line printed is one JSON object with the three medians.
+The last line printed is one JSON object with the medians.
 
 Run: ``python benchmarks/core_hot_path.py`` (``--quick`` for fewer repetitions).
 
@@ -93,15 +95,23 @@ def bench_charge(repeats: int) -> float:
     return statistics.median(per_op)
 
 
-def bench_admit(repeats: int, batch: int = 50) -> float:
-    """us per admitted arrival, with ACTIVE (to ACTIVE + batch) grants live.
+BATCH_SPEC = RequestSpec(64, 4096, 8192, service_class="batch", task="chat")
+#: an interactive caller: the front's first-token forecasts, the latency floor, protected headroom
+INTERACTIVE_SPEC = RequestSpec(64, 512, 8192, service_class="interactive", task="chat")
+#: batch work whose prompt's four full blocks every caller of its batch shares (charged once)
+PREFIX_SPEC = RequestSpec(
+    64, 4096, 8192, service_class="batch", task="chat", prefix_blocks=(1, 2, 3, 4)
+)
+
+
+def bench_admit(repeats: int, batch: int = 50, spec: RequestSpec = BATCH_SPEC) -> float:
+    """us per admitted arrival of ``spec``, with ACTIVE (to ACTIVE + batch) grants live.
 
     Admissions come in batches of ``batch``; between batches the admitted requests finish and
     are confirmed (untimed), so the length model changes and its cached quantiles are
     recomputed by the next admission. ``batch=1``: a finish between every two admissions.
     """
     s = build(extra_blocks=(batch + 1) * 64)
-    spec = RequestSpec(64, 4096, 8192, service_class="batch", task="chat")
     per_op: list[float] = []
     k = 0
     while len(per_op) < repeats:
@@ -150,6 +160,8 @@ FIGURES = (
     "admit_us_median_at_1000",
     "extend_us_median_at_1000",
     "admit_us_median_at_1000_finish_between",
+    "admit_interactive_us_median_at_1000",
+    "admit_prefix_us_median_at_1000",
 )
 
 
@@ -171,6 +183,9 @@ def side_by_side(against: Path, rounds: int, quick: bool) -> None:
         runs["this"].append(one_run(here, quick))
     print(f"{rounds} rounds, this checkout ({here}) against {against}, alternated")
     for key in FIGURES:
+        if any(key not in r for r in runs["baseline"]):
+            print(f"{key}: not measured by the baseline's tree")
+            continue
         base = [r[key] for r in runs["baseline"]]
         this = [r[key] for r in runs["this"]]
         ratios = sorted(t / b for t, b in zip(this, base, strict=True))
@@ -194,11 +209,15 @@ def main(argv: list[str]) -> None:
     charge_ns = bench_charge(300 if quick else 3000)
     admit_us = bench_admit(300 if quick else 2000)
     admit_each_us = bench_admit(300 if quick else 2000, batch=1)
+    admit_interactive_us = bench_admit(300 if quick else 2000, spec=INTERACTIVE_SPEC)
+    admit_prefix_us = bench_admit(300 if quick else 2000, spec=PREFIX_SPEC)
     extend_us = bench_extend(300 if quick else 2000)
     print(f"charge: {charge_ns:.0f} ns/op (target <= 1000)")
     print(f"admit at {ACTIVE} active: {admit_us:.2f} us/op (target <= 20)")
     print(f"extend at {ACTIVE} active: {extend_us:.2f} us/op (target <= 20)")
     print(f"admit at {ACTIVE} active, a finish before every admission: {admit_each_us:.2f} us/op")
+    print(f"admit at {ACTIVE} active, an interactive caller: {admit_interactive_us:.2f} us/op")
+    print(f"admit at {ACTIVE} active, four shared prefix blocks: {admit_prefix_us:.2f} us/op")
     print(
         json.dumps(
             {
@@ -206,6 +225,8 @@ def main(argv: list[str]) -> None:
                 "admit_us_median_at_1000": round(admit_us, 2),
                 "extend_us_median_at_1000": round(extend_us, 2),
                 "admit_us_median_at_1000_finish_between": round(admit_each_us, 2),
+                "admit_interactive_us_median_at_1000": round(admit_interactive_us, 2),
+                "admit_prefix_us_median_at_1000": round(admit_prefix_us, 2),
             }
         )
     )

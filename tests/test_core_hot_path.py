@@ -23,7 +23,8 @@ def test_side_by_side_reports_both_trees_per_round() -> None:
     assert result["against"] == str(SRC)
     figures = {
         "charge_ns_median", "admit_us_median_at_1000", "extend_us_median_at_1000",
-        "admit_us_median_at_1000_finish_between",
+        "admit_us_median_at_1000_finish_between", "admit_interactive_us_median_at_1000",
+        "admit_prefix_us_median_at_1000",
     }
     for side in ("baseline", "this"):
         runs = result["rounds"][side]

@@ -83,6 +83,8 @@ class ClassQueue:
         admission ahead of ``head``'s (a pass within one of their strides of its pass): the
         caller that may go before ``head`` without its tenant getting more than one admission
         beyond its share (``Scheduler._backfill`` decides whether it does)."""
+        if len(self.tenants) < 2:
+            return head  # (no other tenant's line to look at)
         own = self.tenants[self._tenant(head)]
         best = head
         for tq in self.tenants.values():

@@ -1299,13 +1299,14 @@ class Scheduler:
         floor = min(self._active_by_floor)
         if floor == math.inf:
             return True
-        predicted = self.cost.predict_decode(
+        model = self.cost.current()  # (CostModel.predict_decode and predict_prefill, once)
+        predicted = model.decode_time(
             self.active + 1, self.active_context + req.prompt + req.generated + allowance
         )
         prefill_tokens = self.ledger.prefill_tokens(req)
         if prefill_tokens:
             chunk = self.config.prefill_chunk_tokens
-            predicted += self.cost.predict_prefill(
+            predicted += model.prefill_time(
                 prefill_tokens if chunk is None else min(prefill_tokens, chunk)
             )
         return predicted <= floor
