@@ -82,6 +82,8 @@ class Ledger:
     through :mod:`kvbudget.core.lifecycle`)."""
 
     __slots__ = (
+        "_reuse",
+        "_shared_epoch",
         "active_generated",
         "active_hard_max",
         "block_size",
@@ -102,6 +104,10 @@ class Ledger:
         self.used = 0
         #: prefix block hash -> how many holders are charged for it (each hash is one block)
         self.shared: dict[int, int] = {}
+        # (reusable()'s last answer, for the request it was asked of while ``shared`` stood as
+        # it did then: an admission asks it of the same request four or five times)
+        self._shared_epoch = 0
+        self._reuse: tuple[Request | None, int, int] = (None, -1, 0)
         self.headroom_target = 0
         self.protected_blocks = 0
         # aggregates over requests holding a grant, kept O(1) for policies that need them
@@ -152,9 +158,14 @@ class Ledger:
 
     def reusable(self, req: Request) -> int:
         """How many of ``req``'s prefix blocks another holder is charged for already."""
+        asked, epoch, n = self._reuse
+        if asked is req and epoch == self._shared_epoch:
+            return n
         shared = self.shared
         # (counted in C, here and below: these run several times for every admission)
-        return sum(map(shared.__contains__, req.prefix)) if shared else 0
+        n = sum(map(shared.__contains__, req.prefix)) if shared else 0
+        self._reuse = (req, self._shared_epoch, n)
+        return n
 
     def admission_blocks(self, req: Request, boundary: int) -> int:
         """What granting ``req`` a grant to ``boundary`` takes from the free blocks: the grant
@@ -243,6 +254,7 @@ class Ledger:
         shared = self.shared
         for h in req.prefix:
             shared[h] = shared.get(h, 0) + 1
+        self._shared_epoch += 1  # (what is shared, or who holds it, changed)
         self.reserved += cost
         self.used += req.used_blocks - reused
         self.active_hard_max += req.hard_max
@@ -296,6 +308,7 @@ class Ledger:
         req.used_blocks = 0
         req.shared_at_grant = 0
         req.prefix = req.spec.prefix_blocks  # a resumed grant may share again what was unshared
+        self._shared_epoch += 1
         return freed
 
     def unshare(self, req: Request, cached_blocks: int) -> int:
@@ -326,6 +339,7 @@ class Ledger:
             else:
                 del shared[h]
         req.prefix = prefix[:cached] + prefix[end:]
+        self._shared_epoch += 1
         req.shared_at_grant = cached + (req.shared_at_grant - end)
         self.reserved += copies
         self.used += copies
