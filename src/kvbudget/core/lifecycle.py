@@ -21,6 +21,7 @@ The ledger books blocks against these states; the scheduler decides which trigge
 from __future__ import annotations
 
 import enum
+import math
 from typing import TYPE_CHECKING
 
 import attrs
@@ -31,8 +32,6 @@ from kvbudget.errors import AlreadyReleased, InvalidTransition
 if TYPE_CHECKING:
     from kvbudget.core.model import CalibrationKey, RequestSpec, ServiceClass
     from kvbudget.core.stats import Counters
-
-_INF = float("inf")
 
 
 class State(enum.Enum):
@@ -264,7 +263,7 @@ class Request:
         self.paused_for = False
         self.release_started_at: float | None = None
         self.unconfirmed = False
-        self.expiry = _INF  # when it is turned away if still queued (the scheduler's)
+        self.expiry = math.inf  # when it is turned away if still queued (the scheduler's)
         #: the wait for admission forecast when it was queued (0: admitted at once, not
         #: forecast, or with no bound) and the wait it might have then; the forecast learns
         #: from whether it was admitted in time (Forecast.note_waited)
@@ -272,7 +271,7 @@ class Request:
         self.wait_bound = 0.0
         #: the slowest inter-token gap this stream may see (inf: none)
         floor = cls.latency_floor_s
-        self.latency_floor = floor if floor is not None else _INF
+        self.latency_floor = floor if floor is not None else math.inf
         self.continuation_seq = 0
         self.stats = stats
 
