@@ -17,8 +17,23 @@ if TYPE_CHECKING:
     from kvbudget.core.resume import Checkpoint, Continuation
 
 
+def _rebuilt(cls: type[KvBudgetError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    """An error as it was pickled, without calling its ``__init__`` again."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
 class KvBudgetError(Exception):
-    """Base class of every kvbudget error."""
+    """Base class of every kvbudget error.
+
+    Every one pickles with its fields (an error raised in a worker process reaches its parent
+    whole): the subclasses' constructors take their fields, not the message that
+    ``Exception`` would pass back to them, so pickling does not call them again."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuilt, (type(self), self.args, dict(self.__dict__))
 
 
 class InvalidInput(KvBudgetError, ValueError):
