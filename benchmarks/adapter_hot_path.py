@@ -19,7 +19,7 @@ stream ``--requests`` requests of ``--output-len`` tokens each, consumed
 * ``adapter``: through ``BudgetedEngine.generate`` (the budget's admission, grant, charge on
   every step and release on the engine's confirmation, the adapter's segment loop);
 * ``serve``: through ``kvbudget serve``'s ``BudgetedClient.generate`` inside the request
-  context its middleware sets (``adapter`` plus the stream watch that turns a queued caller's
+  context its middleware sets (``adapter`` plus the hook that turns a queued caller's
   rejection into a 429).
 
 The step loop is the same in every mode, so the differences between the modes' CPU per token

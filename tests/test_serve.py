@@ -195,7 +195,7 @@ def test_overload_is_429_with_retry_after_and_never_an_error_after_200(
 ) -> None:
     import httpx
 
-    _wait_idle(server)
+    before = _wait_idle(server)["rejections_by_reason"]
     rng = random.Random(0)
 
     async def flood() -> list[tuple[int, str | None, int, int]]:
@@ -227,6 +227,14 @@ def test_overload_is_429_with_retry_after_and_never_an_error_after_200(
     assert served and all(errors == 0 and tokens == 300 for errors, tokens in served), served
     snap = _wait_idle(server)
     assert snap["reserved_blocks"] == 0 and snap["engine_preemptions"] == 0
+    # every caller the budget turned away got its 429, those turned away after they queued
+    # (the response already started: the middleware's held start) as well as at arrival
+    turned_away = {
+        reason: n - before.get(reason, 0)
+        for reason, n in snap["rejections_by_reason"].items()
+        if n > before.get(reason, 0)
+    }
+    assert sum(turned_away.values()) == codes.count(429), (turned_away, codes)
 
 
 def test_disconnect_mid_stream_returns_the_blocks(server: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import pytest
 
@@ -109,6 +110,53 @@ def test_the_middleware_stamps_each_requests_receipt_on_the_budgets_clock() -> N
     assert _EXCHANGE.get() is None
 
 
+@pytest.mark.parametrize("turned_away", [True, False])
+def test_a_stream_turned_away_before_its_first_output_is_answered_429(turned_away: bool) -> None:
+    """vLLM's handler starts an event stream, then the stream ends with Overloaded before its
+    first output (reported through ``BudgetedEngine.generate``'s ``on_turned_away``, which
+    ``BudgetedClient`` points at the exchange): the caller gets a 429 with Retry-After and
+    nothing of the started stream. A stream that was not turned away goes out untouched."""
+    import asyncio
+    import json
+
+    from kvbudget.errors import Overloaded
+    from kvbudget.serve import _EXCHANGE, BudgetOptionsMiddleware
+
+    start = {"type": "http.response.start", "status": 200,
+             "headers": [(b"content-type", b"text/event-stream")]}
+    chunks = [{"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True},
+              {"type": "http.response.body", "body": b"", "more_body": False}]
+
+    async def app(scope: object, receive: object, send: Any) -> None:
+        await send(start)
+        exchange = _EXCHANGE.get()
+        assert exchange is not None
+        if turned_away:
+            exchange.turned_away(Overloaded(2.2, "queue-timeout", "r0"))
+        for chunk in chunks:
+            await send(chunk)
+
+    sent: list[dict[str, Any]] = []
+
+    async def record(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def nothing() -> dict[str, object]:
+        return {}
+
+    middleware = BudgetOptionsMiddleware(app)
+    asyncio.run(middleware({"type": "http", "headers": []}, nothing, record))
+    if not turned_away:
+        assert sent == [start, *chunks]
+        return
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[0]["status"] == 429
+    headers = dict(sent[0]["headers"])
+    assert headers[b"retry-after"] == b"3" and headers[b"retry-after-ms"] == b"2200"
+    body = json.loads(sent[1]["body"])
+    assert "queue-timeout" in body["error"]["message"]
+
+
 def test_the_client_passes_the_receipt_and_the_options_to_the_budget() -> None:
     from kvbudget.serve import _EXCHANGE, BudgetedClient, _Exchange
 
@@ -125,13 +173,15 @@ def test_the_client_passes_the_receipt_and_the_options_to_the_budget() -> None:
     rec = Recorder()
     client = BudgetedClient(rec)  # type: ignore[arg-type]
     client.generate("p", None, "r0")
-    token = _EXCHANGE.set(_Exchange(RequestOptions(tenant="acme"), 12.25))
+    exchange = _Exchange(RequestOptions(tenant="acme"), 12.25)
+    token = _EXCHANGE.set(exchange)
     try:
         client.generate("p", None, "r1")
     finally:
         _EXCHANGE.reset(token)
-    assert rec.calls[0]["received_at"] is None
+    assert rec.calls[0]["received_at"] is None and rec.calls[0]["on_turned_away"] is None
     assert rec.calls[1]["received_at"] == 12.25 and rec.calls[1]["tenant"] == "acme"
+    assert rec.calls[1]["on_turned_away"] == exchange.turned_away
     assert all(call["arrive_now"] is True for call in rec.calls)
 
 

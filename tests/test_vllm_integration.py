@@ -909,6 +909,62 @@ def test_the_servers_receipt_reaches_the_budget_and_a_bad_one_holds_nothing(env:
     assert held == 0
 
 
+def test_a_caller_turned_away_from_the_queue_is_reported_before_the_raise(env: _Env) -> None:
+    """``generate(on_turned_away=)``: a caller that queued behind a running stream and was
+    turned away at its class's queue bound (one request, and ``n=2`` samples) is reported to
+    the hook with the very Overloaded its stream then raises, before any output; the stream
+    that ran is not reported, and nothing stays held."""
+    import attrs
+
+    from kvbudget.core.config import SchedulerConfig
+    from kvbudget.core.model import BATCH, INTERACTIVE
+    from kvbudget.errors import Overloaded
+
+    quick = attrs.evolve(INTERACTIVE, max_queue_delay_s=0.2, ttft_slo_s=None)
+
+    async def main() -> tuple[dict[str, list[Overloaded]], dict[str, Any], int]:
+        be = env.budgeted(
+            prefill_probes=0, classes=[quick, BATCH], config=SchedulerConfig(max_active=1)
+        )
+        reported: dict[str, list[Overloaded]] = {"long": [], "one": [], "two": []}
+        ended: dict[str, Any] = {}
+        async with be:
+            long = be.generate(
+                _prompt(40), _sp(160), "long", arrive_now=True,
+                on_turned_away=reported["long"].append,
+            )
+            first = await long.__anext__()  # running: the next callers queue behind it
+            queued = {
+                rid: be.generate(
+                    _prompt(41), _sp(8, n=n, temperature=1.0), rid, arrive_now=True,
+                    on_turned_away=reported[rid].append,
+                )
+                for rid, n in (("one", 1), ("two", 2))
+            }
+
+            async def drain(rid: str, gen: Any) -> None:
+                try:
+                    async for out in gen:
+                        ended[rid] = out
+                except Overloaded as exc:
+                    ended[rid] = exc
+
+            async def rest() -> None:
+                ended["long"] = [first, *[out async for out in long]][-1]
+
+            await asyncio.gather(rest(), *(drain(r, g) for r, g in queued.items()))
+            await _settle(be)
+            return reported, ended, be.snapshot().reserved_blocks
+
+    reported, ended, held = env.run(main())
+    assert ended["long"].finished and reported["long"] == []
+    for rid in ("one", "two"):
+        assert isinstance(ended[rid], Overloaded), ended[rid]
+        assert reported[rid] == [ended[rid]], (rid, reported[rid])
+        assert ended[rid].reason == "queue-timeout"
+    assert held == 0
+
+
 def test_without_probes_the_cost_model_starts_unmeasured(env: _Env) -> None:
     async def main() -> int:
         be = env.budgeted(prefill_probes=0)

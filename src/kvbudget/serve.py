@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import contextvars
 import json
 import logging
@@ -108,6 +107,11 @@ class _Exchange:
         self.received_at = received_at
         self.rejected: Overloaded | None = None
         self.replaced = False
+
+    def turned_away(self, exc: Overloaded) -> None:
+        """The stream ended with ``exc`` before its first output (``BudgetedEngine.generate``'s
+        ``on_turned_away``)."""
+        self.rejected = exc
 
 
 _EXCHANGE: contextvars.ContextVar[_Exchange | None] = contextvars.ContextVar(
@@ -304,7 +308,7 @@ class BudgetedClient:
         engine_kwargs = {k: v for k, v in kwargs.items() if v is not None}
         if engine_kwargs.get("priority") == 0:
             del engine_kwargs["priority"]
-        stream = self.budgeted.generate(
+        return self.budgeted.generate(
             prompt,
             sampling_params,
             request_id,
@@ -316,28 +320,12 @@ class BudgetedClient:
             deadline=opts.deadline,
             on_exhausted="continue" if opts.on_exhausted == "continue" else "extend",
             received_at=received_at,
+            on_turned_away=None if exchange is None else exchange.turned_away,
             **engine_kwargs,
         )
-        return stream if exchange is None else _watched(stream, exchange)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         await self.budgeted.abort(request_id)
-
-
-async def _watched(
-    stream: AsyncGenerator[Any, None], exchange: _Exchange
-) -> AsyncGenerator[Any, None]:
-    """``stream``, noting an Overloaded that ends it before its first output."""
-    started = False
-    async with contextlib.aclosing(stream):
-        try:
-            async for out in stream:
-                started = True
-                yield out
-        except Overloaded as exc:
-            if not started:
-                exchange.rejected = exc
-            raise
 
 
 #: vLLM's loggers that log an exception ending a stream with its traceback, at ERROR

@@ -66,6 +66,7 @@ from kvbudget.errors import (
     EngineDead,
     EngineError,
     InvalidInput,
+    Overloaded,
 )
 from kvbudget.errors import RequestAborted as RequestAborted
 from kvbudget.guard import error_body
@@ -1665,6 +1666,7 @@ class BudgetedEngine:
         sink: Callable[[VllmResult], Any] | None = None,
         arrive_now: bool = False,
         received_at: float | None = None,
+        on_turned_away: Callable[[Overloaded], Any] | None = None,
         **engine_kwargs: Any,
     ) -> AsyncGenerator[Any, None]:
         """Like ``AsyncLLM.generate``: yields vLLM ``RequestOutput``s in the output kind the
@@ -1681,6 +1683,11 @@ class BudgetedEngine:
         ``received_at``: when the server received the request, on the budget's clock
         (``self.budget.now()``): its first-token objective and deadline run from then, not
         from this call after the server's parsing and tokenization (:meth:`Budget.lease`).
+        ``on_turned_away``: called with the ``Overloaded`` that ends the stream before its
+        first output (a caller that waited in the budget's queue and was then turned away),
+        just before it is raised: a server that started its response at the call learns there
+        that the answer is a 429 (``kvbudget serve``'s middleware), with no wrapper around the
+        stream on every token.
         ``engine_kwargs``: ``AsyncLLM.add_request``'s own keywords (:data:`ENGINE_KWARGS`:
         ``lora_request``, ``priority``, ``trace_headers``, ...), passed on to every engine
         request of this one; others raise InvalidInput.
@@ -1696,16 +1703,18 @@ class BudgetedEngine:
         )
         n = getattr(sampling_params, "n", 1)
         if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-            return self._fan_out(args, n, arrive_now)
+            return self._fan_out(args, n, arrive_now, on_turned_away)
         if arrive_now:
-            return self._arrive_now(args)
-        return self._generate_lazily(args)
+            return self._arrive_now(args, on_turned_away)
+        return self._generate_lazily(args, on_turned_away)
 
-    def _arrive_now(self, args: tuple[Any, ...]) -> AsyncGenerator[Any, None]:
+    def _arrive_now(
+        self, args: tuple[Any, ...], on_turned_away: Callable[[Overloaded], Any] | None = None
+    ) -> AsyncGenerator[Any, None]:
         """``args``' request prepared and arrived at the budget now; its stream, not started."""
         prepare: Any = self._prepare  # (args are its parameters, in order)
         prepared = prepare(*args, arrive_now=True)
-        stream = self._stream(prepared)
+        stream = self._stream(prepared, on_turned_away=on_turned_away)
         # dropped unstarted, the stream never runs its cleanup (the budget gives the lease up
         # the same way: Budget.generate)
         weakref.finalize(stream, self._forget_unstarted, prepared.reng)
@@ -1714,7 +1723,11 @@ class BudgetedEngine:
     # -- n > 1: parallel samples of one prompt --------------------------------------------------
 
     def _fan_out(
-        self, args: tuple[Any, ...], n: int, arrive_now: bool
+        self,
+        args: tuple[Any, ...],
+        n: int,
+        arrive_now: bool,
+        on_turned_away: Callable[[Overloaded], Any] | None = None,
     ) -> AsyncGenerator[Any, None]:
         """``n`` parallel samples, as vLLM runs them: ``n`` child requests ``"{i}_{request_id}"``
         with ``n=1`` (seed ``seed + i`` when seeded), each its own budget request. They name
@@ -1744,10 +1757,14 @@ class BudgetedEngine:
         # (an Overloaded child drops the ones before it unstarted: each gives its lease up)
         streams = [start((prompt, child, cid, *args[3:])) for cid, child in children]
         self._parents[request_id] = [cid for cid, _ in children]
-        return self._merge(request_id, streams, kind)
+        return self._merge(request_id, streams, kind, on_turned_away)
 
     async def _merge(
-        self, request_id: str, streams: list[AsyncGenerator[Any, None]], kind: OutputKind
+        self,
+        request_id: str,
+        streams: list[AsyncGenerator[Any, None]],
+        kind: OutputKind,
+        on_turned_away: Callable[[Overloaded], Any] | None = None,
     ) -> AsyncGenerator[Any, None]:
         """One stream of the children's outputs, as vLLM's parent request gives them: each
         child's completion at its ``index``; DELTA: every child output as it comes; CUMULATIVE:
@@ -1769,11 +1786,13 @@ class BudgetedEngine:
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(pump(i, st)) for i, st in enumerate(streams)]
         latest: dict[int, Any] = {}
-        ended = finished = 0
+        ended = finished = yielded = 0
         try:
             while ended < len(streams):
                 i, out, exc = await queue.get()
                 if exc is not None:
+                    if not yielded and on_turned_away is not None and isinstance(exc, Overloaded):
+                        on_turned_away(exc)
                     raise exc
                 if out is None:
                     ended += 1
@@ -1784,6 +1803,7 @@ class BudgetedEngine:
                 if out.finished:
                     finished += 1
                 out.finished = finished == len(streams)
+                yielded += 1
                 if kind == "delta":
                     yield out
                     continue
@@ -1803,10 +1823,12 @@ class BudgetedEngine:
         if self._requests.get(reng.request_id) is reng:
             del self._requests[reng.request_id]
 
-    def _generate_lazily(self, args: tuple[Any, ...]) -> AsyncGenerator[Any, None]:
+    def _generate_lazily(
+        self, args: tuple[Any, ...], on_turned_away: Callable[[Overloaded], Any] | None = None
+    ) -> AsyncGenerator[Any, None]:
         """``args``' stream, which prepares the request when it is first iterated (an invalid
         request raises there, as vLLM's own generate does)."""
-        return self._stream(None, args)
+        return self._stream(None, args, on_turned_away)
 
     def _prepare(
         self,
@@ -1894,7 +1916,10 @@ class BudgetedEngine:
         return _Prepared(reng, steps, prompt_text, prompt_ids, kind)
 
     async def _stream(
-        self, prepared: _Prepared | None, args: tuple[Any, ...] = ()
+        self,
+        prepared: _Prepared | None,
+        args: tuple[Any, ...] = (),
+        on_turned_away: Callable[[Overloaded], Any] | None = None,
     ) -> AsyncGenerator[Any, None]:
         """The outputs of one request (``prepared``, or prepared here from ``args``: one async
         generator layer fewer on every token than a wrapper that prepares and delegates)."""
@@ -1904,6 +1929,7 @@ class BudgetedEngine:
         prompt_text, prompt_ids = prepared.prompt_text, prepared.prompt_ids
         request_id = reng.request_id
         acc = _Accumulator(request_id, prompt_text, prompt_ids, kind) if kind != "delta" else None
+        started = False
         try:
             async with contextlib.aclosing(steps):
                 try:
@@ -1913,11 +1939,17 @@ class BudgetedEngine:
                                 out.request_id = request_id
                                 out.prompt_token_ids = prompt_ids
                                 out.prompt = prompt_text
+                            started = True
                             yield out
                         else:
                             merged = acc.add(out)
                             if kind == "cumulative" or out.finished:
+                                started = True
                                 yield merged
+                except Overloaded as exc:
+                    if not started and on_turned_away is not None:
+                        on_turned_away(exc)
+                    raise
                 except (_CallerAbort, RequestAborted):
                     yield _aborted_output(request_id, prompt_text, prompt_ids, reng, acc)
         finally:
