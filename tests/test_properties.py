@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kvbudget.core.ledger import TRANSITIONS, Ledger, Request, State, Trigger
 from kvbudget.core.model import BATCH, Capacity, RequestSpec, blocks_for
 from kvbudget.core.policy import POLICY_NAMES, CalibratedPolicy
+from kvbudget.core.policy.baselines import NewTokenRatioPolicy, SegmentedPolicy
 from kvbudget.core.queue import ClassQueue as _ClassQueue
 from kvbudget.core.stats import Counters
 from kvbudget.errors import AlreadyReleased, InvalidInput, InvalidTransition
@@ -69,6 +70,25 @@ TestVariant_calibrated_tight_grants = BudgetStateMachine.for_policy(
     lambda _truth: _PausesEngaged(tight_floor_steps=1), name="calibrated-tight-grants"
 ).TestCase
 TestVariant_calibrated_tight_grants.settings = PROFILE
+
+
+#: SGLang's rule with its ratio at its floor from the start (what 600 decode steps decay it to)
+#: and every request running to its hard max: it admits against a tenth of the running
+#: requests' futures, so their growth runs out of blocks and it retracts (fewest output tokens
+#: first, then sets the ratio from what is left), which the default draw almost never reaches
+TestVariant_new_token_ratio_retracting = BudgetStateMachine.for_policy(
+    lambda _truth: NewTokenRatioPolicy(init_ratio=0.098),
+    name="new-token-ratio-retracting",
+    long_outputs=True,
+).TestCase
+TestVariant_new_token_ratio_retracting.settings = PROFILE
+
+#: segmented reservation with 16-token segments: every request longer than that is re-queued
+#: with its output at each segment's end (the default 1,024 is longer than any drawn request)
+TestVariant_segmented_short_segments = BudgetStateMachine.for_policy(
+    lambda _truth: SegmentedPolicy(segment=16), name="segmented-short-segments"
+).TestCase
+TestVariant_segmented_short_segments.settings = PROFILE
 
 
 def test_every_shipped_policy_has_a_state_machine_test() -> None:

@@ -107,6 +107,10 @@ class BudgetStateMachine(RuleBasedStateMachine):
     fixed_slack: ClassVar[int | None] = None
     classes: ClassVar[tuple[ServiceClass, ...]] = DEFAULT_CLASSES
     confirm_timeout_s: ClassVar[float] = 1.0
+    #: every request runs to its hard max (its true length): the pressure that makes a policy
+    #: which admits against a discounted future (new-token-ratio) retract, which short answers
+    #: drawn at random rarely build up
+    long_outputs: ClassVar[bool] = False
     drain_rounds: ClassVar[int] = 5000
 
     @classmethod
@@ -118,12 +122,14 @@ class BudgetStateMachine(RuleBasedStateMachine):
         slack_tokens: int | None = None,
         classes: Iterable[ServiceClass] | None = None,
         name: str | None = None,
+        long_outputs: bool = False,
     ) -> type[BudgetStateMachine]:
         """A state-machine class running ``factory``'s policy (a shipped policy's name works).
 
         ``capacity``: fixed KV cache (drawn per run when None). ``slack_tokens``: the scheduler's
         per-grant slack (drawn in [0, 4] when None). ``classes``: the service classes (the
-        defaults, interactive and batch, when None).
+        defaults, interactive and batch, when None). ``long_outputs``: every request runs to
+        its hard max.
         """
         fac: PolicyFactory = policy_factory(factory) if isinstance(factory, str) else factory
         table = (
@@ -139,6 +145,7 @@ class BudgetStateMachine(RuleBasedStateMachine):
             "fixed_capacity": capacity,
             "fixed_slack": slack_tokens,
             "classes": table,
+            "long_outputs": long_outputs,
         }
         safe = "".join(ch if ch.isalnum() else "_" for ch in str(label))
         return type(f"BudgetStateMachine_{safe}", (cls,), attrs_)
@@ -420,6 +427,18 @@ class BudgetStateMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def arrive(self, data: st.DataObject) -> None:
         self._rule()
+        self._draw_arrival(data)
+
+    @rule(data=st.data(), n=st.integers(2, 6))
+    def arrive_wave(self, data: st.DataObject, n: int) -> None:
+        """``n`` callers at the same instant: the pressure of a burst, which single arrivals
+        drawn among every other rule rarely build (retraction under new-token-ratio, a wave of
+        first tokens, victims that have not produced a token yet)."""
+        self._rule()
+        for _ in range(n):
+            self._draw_arrival(data)
+
+    def _draw_arrival(self, data: st.DataObject) -> None:
         names = [c.name for c in self.classes]
         spec = data.draw(request_specs(names), label="spec")
         # a few "system prompts": requests of one chain share its leading blocks (inv. 8)
@@ -428,7 +447,11 @@ class BudgetStateMachine(RuleBasedStateMachine):
             chain = data.draw(st.integers(1, 3), label="chain")
             k = data.draw(st.integers(0, room), label="prefix_blocks")
             spec = attrs.evolve(spec, prefix_blocks=prefix_chain(chain, k))
-        true_len = data.draw(true_lengths(spec.hard_max), label="true_len")
+        true_len = (
+            spec.hard_max
+            if self.long_outputs
+            else data.draw(true_lengths(spec.hard_max), label="true_len")
+        )
         # a server that received it a while before it reached the budget: its bounds and
         # deadline run from then (the tick's check below reads them from the receipt)
         ago = data.draw(st.sampled_from([None, None, 0.0, 0.05, 0.5, 1.5]), label="received_ago")
