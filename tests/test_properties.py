@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -76,18 +77,20 @@ TestVariant_calibrated_tight_grants.settings = PROFILE
 #: and every request running to its hard max: it admits against a tenth of the running
 #: requests' futures, so their growth runs out of blocks and it retracts (fewest output tokens
 #: first, then sets the ratio from what is left), which the default draw almost never reaches
-TestVariant_new_token_ratio_retracting = BudgetStateMachine.for_policy(
+NTR_RETRACTING = BudgetStateMachine.for_policy(
     lambda _truth: NewTokenRatioPolicy(init_ratio=0.098),
     name="new-token-ratio-retracting",
     long_outputs=True,
-).TestCase
+)
+TestVariant_new_token_ratio_retracting = NTR_RETRACTING.TestCase
 TestVariant_new_token_ratio_retracting.settings = PROFILE
 
 #: segmented reservation with 16-token segments: every request longer than that is re-queued
 #: with its output at each segment's end (the default 1,024 is longer than any drawn request)
-TestVariant_segmented_short_segments = BudgetStateMachine.for_policy(
+SEGMENTED_SHORT = BudgetStateMachine.for_policy(
     lambda _truth: SegmentedPolicy(segment=16), name="segmented-short-segments"
-).TestCase
+)
+TestVariant_segmented_short_segments = SEGMENTED_SHORT.TestCase
 TestVariant_segmented_short_segments.settings = PROFILE
 
 
@@ -272,3 +275,51 @@ def test_backfilling_keeps_the_stride_within_two_strides(
         for t, wt in weights.items():
             for u, wu in weights.items():
                 assert served[t] / wt - served[u] / wu <= 2 * max(1 / wt, 1 / wu) + 1e-9
+
+
+def _preemptions_reached(machine: type[BudgetStateMachine], examples: int) -> tuple[int, int]:
+    """(preemptions, preemptions before the request's first token) over ``examples``
+    derandomized runs of ``machine``."""
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from kvbudget.core import events as ev
+
+    seen = [0, 0]
+
+    class Counting(machine):  # type: ignore[valid-type, misc]
+        def _apply(self, actions: Sequence[ev.Action], cause: str, free_before: int) -> None:
+            for action in actions:
+                if isinstance(action, ev.Preempt):
+                    seen[0] += 1
+                    seen[1] += action.checkpoint.generated_tokens == 0
+            super()._apply(actions, cause, free_before)
+
+    run_state_machine_as_test(
+        Counting,
+        settings=settings(
+            max_examples=examples, stateful_step_count=80, derandomize=True, database=None,
+            deadline=None, suppress_health_check=list(HealthCheck),
+        ),
+    )
+    return seen[0], seen[1]
+
+
+@pytest.mark.parametrize(
+    ("policy", "before_first"),
+    [("new-token-ratio-retracting", False), ("segmented-short-segments", False),
+     ("calibrated", True)],
+)
+def test_the_stateful_runs_reach_the_preemptions_they_are_there_for(
+    policy: str, before_first: bool
+) -> None:
+    """The variants above exist to exercise a rule (new-token-ratio's retraction, segmented's
+    re-queue, calibrated's preemption of a request that has no token yet): a change to the
+    harness or the policy that no longer reaches it must fail here, not pass unnoticed."""
+    machine = {
+        "new-token-ratio-retracting": NTR_RETRACTING,
+        "segmented-short-segments": SEGMENTED_SHORT,
+    }.get(policy) or BudgetStateMachine.for_policy(policy)
+    preempted, early = _preemptions_reached(machine, 60)
+    assert preempted > 0
+    if before_first:
+        assert early > 0
