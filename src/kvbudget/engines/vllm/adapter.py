@@ -1786,12 +1786,12 @@ class BudgetedEngine:
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(pump(i, st)) for i, st in enumerate(streams)]
         latest: dict[int, Any] = {}
-        ended = finished = yielded = 0
+        ended = finished = received = 0
         try:
             while ended < len(streams):
                 i, out, exc = await queue.get()
                 if exc is not None:
-                    if not yielded and on_turned_away is not None and isinstance(exc, Overloaded):
+                    if not received and on_turned_away is not None and isinstance(exc, Overloaded):
                         on_turned_away(exc)
                     raise exc
                 if out is None:
@@ -1803,7 +1803,7 @@ class BudgetedEngine:
                 if out.finished:
                     finished += 1
                 out.finished = finished == len(streams)
-                yielded += 1
+                received += 1
                 if kind == "delta":
                     yield out
                     continue
