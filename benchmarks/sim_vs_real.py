@@ -220,6 +220,7 @@ import tempfile
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import attrs
@@ -244,6 +245,8 @@ from kvbudget.engines.vllm.adapter import (  # noqa: E402
     DEFAULT_SLACK_TOKENS,
     PREFILL_PROBES,
     prefill_probe_lengths,
+    sampling_profile,
+    stop_profile,
 )
 from kvbudget.policy_options import (  # noqa: E402
     POLICY_DEFAULT,
@@ -335,6 +338,10 @@ class Planned:
     system_prompt: int | None = None  # which shared prefix (None: no shared prefix)
     leave_after: int | None = None
     service_class: str = "interactive"  # (mixed: "batch" for its backlog)
+    #: the calibration key's sampling and stop parts, as the adapter reads them off the
+    #: request's sampling params (:func:`request_profiles`)
+    sampling: str = "default"
+    stops: str = "default"
 
 
 @dataclass(frozen=True)
@@ -550,13 +557,47 @@ def own_client_plan(workload: sb.Workload, n: int, seed: int, tok: TokenizerInfo
     ]
 
 
+#: the temperature vLLM's server samples at when a request names none (no generation config
+#: in the tiny model: ``SamplingParams``' own default)
+_SERVER_DEFAULT_TEMPERATURE = 1.0
+
+
+def request_profiles(workload: sb.Workload) -> tuple[str, str]:
+    """The sampling and stop profiles the adapter reads off ``workload``'s requests
+    (:func:`kvbudget.vllm.sampling_profile`, :func:`~kvbudget.vllm.stop_profile`): what vLLM's
+    client sends (its ``--temperature``, serve_bench's ``--ignore-eos``), or serve_bench's own
+    client's request body."""
+    if workload.kind in sb.OWN_CLIENT_PLANS:
+        body = sb._stream_payload([0], 1)
+        params = SimpleNamespace(
+            temperature=body.get("temperature", _SERVER_DEFAULT_TEMPERATURE),
+            ignore_eos=body.get("ignore_eos", False),
+        )
+    else:
+        value = sb.bench_flags(workload.bench_args).get("temperature")
+        temperature = float(value) if value is not None else _SERVER_DEFAULT_TEMPERATURE
+        params = SimpleNamespace(temperature=temperature, ignore_eos=True)
+    return sampling_profile(params), stop_profile(params)
+
+
 def plan_workload(
     name: str, seed: int, tok: TokenizerInfo, scale: float = 1.0,
     bench_args: Sequence[str] = (),
 ) -> list[Planned]:
     """The requests of serve_bench's workload ``name`` (its request count times ``scale``, as
-    ``--num-prompts-scale``; ``bench_args`` as serve_bench's ``--bench-arg``)."""
+    ``--num-prompts-scale``; ``bench_args`` as serve_bench's ``--bench-arg``), each with the
+    calibration key's sampling and stop parts its sampling params give it."""
     workload = sb.WORKLOADS[name].with_args(bench_args)
+    sampling, stops = request_profiles(workload)
+    return [
+        replace(p, sampling=sampling, stops=stops)
+        for p in _plan_requests(workload, seed, tok, scale)
+    ]
+
+
+def _plan_requests(
+    workload: sb.Workload, seed: int, tok: TokenizerInfo, scale: float
+) -> list[Planned]:
     n = sb.num_prompts(workload, scale)
     if workload.kind in sb.OWN_CLIENT_PLANS:
         return own_client_plan(workload, n, seed, tok)
@@ -570,7 +611,7 @@ def plan_workload(
     if dataset == "random":
         return vllm_random_plan(workload, n, seed, tok)
     raise ValueError(
-        f"{name}: --dataset-name {dataset} is not planned: the simulator draws vLLM's "
+        f"{workload.name}: --dataset-name {dataset} is not planned: the simulator draws vLLM's "
         f"{' and '.join(_PLANNED_DATASETS)} datasets as its client does"
     )
 
@@ -629,7 +670,10 @@ def sim_requests(plan: Sequence[Planned]) -> tuple[Scenario, tuple[SimRequest, .
     )
     out = []
     for p, r in zip(plan, apply_scenario(workload, scenario), strict=True):
-        spec = attrs.evolve(r.spec, max_tokens=p.output_tokens, service_class=p.service_class)
+        spec = attrs.evolve(
+            r.spec, max_tokens=p.output_tokens, service_class=p.service_class,
+            sampling=p.sampling, stops=p.stops,
+        )
         shared = p.shared_prefix_tokens
         out.append(
             attrs.evolve(

@@ -42,6 +42,22 @@ def test_moderate_is_vllms_random_dataset() -> None:
     assert all(p.shared_prefix_tokens == 0 and p.leave_after is None for p in plan)
 
 
+def test_simulated_requests_carry_the_calibration_keys_the_adapter_reads() -> None:
+    """Each workload's simulated requests are keyed as the adapter keys the real ones (the
+    sampling and stop profiles of what the client sends): the burst is greedy, vLLM's client's
+    other workloads and serve_bench's own client sample at temperature 1, all run past the end
+    of sequence; a ``--bench-arg`` temperature changes the key."""
+    expected = {name: ("temp=1.0", "ignore-eos") for name in sb.WORKLOADS}
+    expected["burst"] = ("greedy", "ignore-eos")
+    for name, (sampling, stops) in expected.items():
+        plan = svr.plan_workload(name, 0, TOK, scale=0.1)
+        assert {(p.sampling, p.stops) for p in plan} == {(sampling, stops)}, name
+        _scenario, reqs = svr.sim_requests(plan)
+        assert {(r.spec.sampling, r.spec.stops) for r in reqs} == {(sampling, stops)}, name
+    cooler = svr.plan_workload("moderate", 0, TOK, 0.1, ["--temperature=0.65"])
+    assert {p.sampling for p in cooler} == {"temp=0.7"}
+
+
 def test_fixed_lengths_prefix_burst_and_rates() -> None:
     overload = svr.plan_workload("overload", 0, TOK)
     assert len(overload) == 160

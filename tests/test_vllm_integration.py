@@ -707,6 +707,83 @@ def test_unresumable_sampling_is_never_paused(env: _Env) -> None:
     assert got == ref
 
 
+def test_sampling_and_stop_profiles_name_what_ends_an_answer() -> None:
+    """The calibration key's sampling and stop parts, read off vLLM's own SamplingParams."""
+    from vllm import SamplingParams
+
+    from kvbudget.vllm import sampling_profile, stop_profile
+
+    def both(**kw: Any) -> tuple[str, str]:
+        params = SamplingParams(**kw)
+        return sampling_profile(params), stop_profile(params)
+
+    assert both(temperature=0.0) == ("greedy", "eos")
+    assert both(temperature=0.0, ignore_eos=True) == ("greedy", "ignore-eos")
+    assert both(temperature=0.01)[0] == "temp=0.1"  # (sampled: never named greedy)
+    assert both(temperature=0.74) == ("temp=0.7", "eos")
+    assert both(temperature=1.0, top_p=0.9) == ("temp=1.0", "eos")  # (top_p: the same profile)
+    hot = SamplingParams(temperature=2.0)
+    hot.temperature = 3.5  # (vLLM 0.32 refuses above 2; another version may not)
+    assert sampling_profile(hot) == "temp>2"
+    assert both(temperature=0.8, presence_penalty=0.5) == ("temp=0.8+penalties", "eos")
+    assert both(temperature=0.0, repetition_penalty=1.2)[0] == "greedy+penalties"
+    assert both(temperature=0.0, frequency_penalty=-0.3)[0] == "greedy+penalties"
+    assert both(temperature=0.0, stop=["\n\n"], stop_token_ids=[7], min_tokens=3) == (
+        "greedy", "eos+strings+ids+min"
+    )
+    assert both(temperature=1.0, ignore_eos=True, stop_token_ids=[7]) == (
+        "temp=1.0", "ignore-eos+ids"
+    )
+    # bounded by construction: every temperature vLLM accepts ([0, 2]) names one of 21
+    temps = {sampling_profile(SamplingParams(temperature=t / 100)) for t in range(0, 201)}
+    assert len(temps) == 21
+
+
+def test_lengths_are_calibrated_per_sampling_and_stop_behaviour(env: _Env) -> None:
+    """Requests that sample or stop differently are counted under their own calibration key
+    (DESIGN §6): each kind's lengths and allowance outcomes are kept apart, so one kind's long
+    answers do not stretch another's allowance, and the snapshot reports underestimation by
+    sampling and by stop behaviour."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from kvbudget.core.model import CalibrationKey
+
+    prompts = _random_prompts(env, 6, seed=11)
+    # (the third may meet its end of sequence only after min_tokens: it runs to its max)
+    floor = SamplingParams(
+        max_tokens=16, min_tokens=16, temperature=1.0, output_kind=RequestOutputKind.DELTA
+    )
+    kinds = [
+        (_sp(12, temperature=0.0), ("greedy", "ignore-eos"), 12),
+        (_sp(20, temperature=0.8), ("temp=0.8", "ignore-eos"), 20),
+        (floor, ("temp=1.0", "eos+min"), 16),
+    ]
+
+    async def run() -> Any:
+        be = env.budgeted()
+        async with be:
+            outs = await asyncio.gather(*[
+                _stream_all(be.generate({"prompt_token_ids": p}, kinds[i % 3][0], f"cal-{i}"))
+                for i, p in enumerate(prompts)
+            ])
+            await _settle(be)
+            return be, outs, be.snapshot()
+
+    be, outs, snap = env.run(run())
+    for i, (ids, _text, last) in enumerate(outs):
+        assert last.finished and len(ids) == kinds[i % 3][2]
+    lengths = be.budget.scheduler.lengths
+    dims = snap.underestimation.dimensions
+    for _params, (sampling, stops), n in kinds:
+        key = CalibrationKey(be.model_name, "default", "interactive", "default", sampling, stops)
+        hist = lengths.histogram(key)
+        assert hist is not None, (sampling, stops)
+        assert hist.quantile(0.5) == n  # its own two answers, not the others'
+        assert dims["sampling"][sampling].count == 2
+    assert dims["stops"]["ignore-eos"].count == 4 and dims["stops"]["eos+min"].count == 2
+
+
 def test_cold_burst_never_fails_an_admitted_stream(env: _Env) -> None:
     """Default classes, no length observations yet: a burst of requests that each fit the
     engine. Every caller is either turned away before its first token (Overloaded) or gets

@@ -345,6 +345,57 @@ def pause_blockers(params: Any) -> list[str]:
     return reasons
 
 
+#: vLLM's own threshold below which a temperature means greedy sampling (``_SAMPLING_EPS``)
+GREEDY_TEMPERATURE = 1e-5
+#: the highest temperature a sampling profile names to one decimal; hotter ones share a profile
+_HOTTEST_NAMED = 2.0
+
+
+def sampling_profile(params: Any) -> str:
+    """The sampling part of a request's calibration key (``RequestSpec.sampling``), read from
+    its vLLM ``SamplingParams``: ``"greedy"`` or ``"temp=T"`` (the temperature to one decimal,
+    at least 0.1; ``"temp>2"`` above 2), with ``"+penalties"`` when a presence, frequency or
+    repetition penalty is set and ``"+structured"`` under structured outputs, each of which
+    changes how long answers run. Few and bounded by construction, so that the length model
+    keeps one distribution per way of sampling (DESIGN §6) without a key per request."""
+    g = getattr
+    temperature = g(params, "temperature", 1.0)
+    if not isinstance(temperature, int | float) or math.isnan(temperature):
+        temperature = 1.0
+    if temperature < GREEDY_TEMPERATURE:
+        profile = "greedy"
+    elif temperature > _HOTTEST_NAMED:
+        profile = "temp>2"
+    else:
+        profile = f"temp={max(temperature, 0.1):.1f}"  # (never "temp=0.0": that is greedy)
+    if (
+        g(params, "presence_penalty", 0.0)
+        or g(params, "frequency_penalty", 0.0)
+        or g(params, "repetition_penalty", 1.0) != 1.0
+    ):
+        profile += "+penalties"
+    if g(params, "structured_outputs", None) is not None:
+        profile += "+structured"
+    return profile
+
+
+def stop_profile(params: Any) -> str:
+    """The stop part of a request's calibration key (``RequestSpec.stops``), read from its vLLM
+    ``SamplingParams``: ``"eos"``, or ``"ignore-eos"`` (it runs on past the end-of-sequence
+    token), with ``"+strings"`` for stop strings, ``"+ids"`` for the caller's stop token ids and
+    ``"+min"`` for a ``min_tokens`` floor: what may end an answer, which is what its length
+    distribution depends on most."""
+    g = getattr
+    profile = "ignore-eos" if g(params, "ignore_eos", False) else "eos"
+    if g(params, "stop", None):
+        profile += "+strings"
+    if g(params, "stop_token_ids", None):
+        profile += "+ids"
+    if g(params, "min_tokens", 0):
+        profile += "+min"
+    return profile
+
+
 class _SeamText:
     """The text of a resumed segment's tokens, continuing exactly the text the caller has.
 
@@ -1884,6 +1935,8 @@ class BudgetedEngine:
             tenant=tenant,
             task=task,
             model=self.model_name,
+            sampling=sampling_profile(sampling_params),
+            stops=stop_profile(sampling_params),
             durable=durable,
             on_exhausted=on_exhausted,
             deadline=deadline,
@@ -2054,6 +2107,7 @@ def _aborted_output(
 __all__ = [
     "DEFAULT_SLACK_TOKENS",
     "ENGINE_KWARGS",
+    "GREEDY_TEMPERATURE",
     "MAX_PARALLEL_SAMPLES",
     "PREFILL_PROBES",
     "BudgetedEngine",
@@ -2062,5 +2116,7 @@ __all__ = [
     "VllmResult",
     "pause_blockers",
     "prefill_probe_lengths",
+    "sampling_profile",
+    "stop_profile",
     "vllm_version",
 ]
