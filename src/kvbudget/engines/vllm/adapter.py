@@ -305,6 +305,19 @@ class _CallerAbort(BaseException):
 # == what a pause would change ====================================================================
 
 
+#: the sampling penalties vLLM applies over the output so far, each with its neutral value
+_PENALTIES: tuple[tuple[str, float], ...] = (
+    ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0),
+    ("repetition_penalty", 1.0),
+)
+
+
+def _penalties(params: Any) -> list[str]:
+    """The penalties ``params`` set (away from their neutral values)."""
+    return [name for name, neutral in _PENALTIES if getattr(params, name, neutral) != neutral]
+
+
 def pause_blockers(params: Any) -> list[str]:
     """Why a request with these sampling params cannot be paused and resumed exactly (empty:
     it can). A resumption re-submits prompt + the tokens so far as a new vLLM request, which
@@ -322,12 +335,7 @@ def pause_blockers(params: Any) -> list[str]:
         reasons.append("structured_outputs")
     if g(params, "seed", None) is not None:
         reasons.append("seed")
-    if g(params, "presence_penalty", 0.0):
-        reasons.append("presence_penalty")
-    if g(params, "frequency_penalty", 0.0):
-        reasons.append("frequency_penalty")
-    if g(params, "repetition_penalty", 1.0) != 1.0:
-        reasons.append("repetition_penalty")
+    reasons.extend(_penalties(params))
     if g(params, "logits_processors", None):
         reasons.append("logits_processors")
     if g(params, "extra_args", None):
@@ -346,7 +354,7 @@ def pause_blockers(params: Any) -> list[str]:
 
 
 #: vLLM's own threshold below which a temperature means greedy sampling (``_SAMPLING_EPS``)
-GREEDY_TEMPERATURE = 1e-5
+_GREEDY_TEMPERATURE = 1e-5
 #: the highest temperature a sampling profile names to one decimal; hotter ones share a profile
 _HOTTEST_NAMED = 2.0
 
@@ -362,17 +370,13 @@ def sampling_profile(params: Any) -> str:
     temperature = g(params, "temperature", 1.0)
     if not isinstance(temperature, int | float) or math.isnan(temperature):
         temperature = 1.0
-    if temperature < GREEDY_TEMPERATURE:
+    if temperature < _GREEDY_TEMPERATURE:
         profile = "greedy"
     elif temperature > _HOTTEST_NAMED:
         profile = "temp>2"
     else:
         profile = f"temp={max(temperature, 0.1):.1f}"  # (never "temp=0.0": that is greedy)
-    if (
-        g(params, "presence_penalty", 0.0)
-        or g(params, "frequency_penalty", 0.0)
-        or g(params, "repetition_penalty", 1.0) != 1.0
-    ):
+    if _penalties(params):
         profile += "+penalties"
     if g(params, "structured_outputs", None) is not None:
         profile += "+structured"
@@ -2107,7 +2111,6 @@ def _aborted_output(
 __all__ = [
     "DEFAULT_SLACK_TOKENS",
     "ENGINE_KWARGS",
-    "GREEDY_TEMPERATURE",
     "MAX_PARALLEL_SAMPLES",
     "PREFILL_PROBES",
     "BudgetedEngine",
